@@ -1,0 +1,27 @@
+# Paper-replication harness: DEX, TEV/ExitTrain, vSkipper. See README.md.
+#   snakemake --cores 2                                   # embedded CPU default (configs/default.yaml)
+#   snakemake --cores 2 --configfile configs/smoke.yaml   # CI smoke
+#   snakemake --profile profiles/slurm --configfile configs/paper/dex.yaml
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+# The embedded default unless --configfile names another one (configs are not merged).
+if not config:
+
+    configfile: "configs/default.yaml"
+
+
+
+include: "workflows/common.smk"
+include: "workflows/models.smk"
+include: "workflows/workloads.smk"
+include: "workflows/ead.smk"
+include: "workflows/report.smk"
+
+
+rule all:
+    input:
+        REPORT,
+    default_target: True

@@ -1,0 +1,342 @@
+"""Command line: every job a workflow rule runs is one of these commands (``python -m impl CMD``).
+
+Each command takes the run configuration either as ``--config FILE.yaml`` (what a user types) or
+``--config-json JSON`` (what a rule passes: the validated config, including command-line overrides).
+Run ``python -m impl CMD --help`` for each command's arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("impl")
+
+
+def _config(args) -> dict:
+    from .config import config_from_json, load_config
+
+    if args.config_json:
+        text = args.config_json
+        if text.startswith("@"):
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        return config_from_json(text)
+    if args.config:
+        return load_config(args.config)
+    raise SystemExit("error: pass --config FILE.yaml (or --config-json)")
+
+
+def _threads(cfg: dict) -> None:
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_validate(args) -> None:
+    cfg = _config(args)
+    print(f"config OK: {len(cfg['models'])} models, {len(cfg['workloads'])} workloads")
+
+
+def cmd_tokenizer(args) -> None:
+    from .models.corpus import collect_documents
+    from .models.tokenizer import train_tokenizer
+    from .provenance import atomic_path
+
+    cfg = _config(args)
+    docs, meta = collect_documents(cfg["data_dir"], cfg["corpus"]["sources"], cfg["corpus"]["max_chars_per_source"])
+    with atomic_path(args.out) as tmp:
+        train_tokenizer(docs, cfg["tokenizer"]["vocab_size"], tmp)
+    log.info("tokenizer (%d docs) -> %s", len(docs), args.out)
+
+
+def cmd_corpus(args) -> None:
+    import numpy as np
+
+    from .models.corpus import collect_documents
+    from .models.load import load_tokenizer
+    from .models.train import unigram_baseline
+    from .provenance import atomic_path, provenance
+
+    cfg = _config(args)
+    tok = load_tokenizer(args.tokenizer, builder="tokenizer")
+    docs, meta = collect_documents(cfg["data_dir"], cfg["corpus"]["sources"], cfg["corpus"]["max_chars_per_source"])
+    # hold out every k-th document for validation (deterministic, spread over all sources)
+    k = max(2, round(1 / cfg["corpus"]["val_fraction"]))
+    ids = tok(docs, add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+    dtype = np.uint16 if len(tok) < 2**16 else np.int32
+    join = lambda seqs: np.concatenate([np.asarray(s + [eos], dtype=dtype) for s in seqs])  # noqa: E731
+    train = join([s for i, s in enumerate(ids) if i % k])
+    val = join([s for i, s in enumerate(ids) if i % k == 0])
+    meta.update(train_tokens=int(train.size), val_tokens=int(val.size), vocab_size=len(tok),
+                unigram_baseline=unigram_baseline(train, val, len(tok)), **provenance(cfg, seed=cfg["seed"]))
+    with atomic_path(args.out) as tmp:
+        tmp.mkdir()
+        np.save(tmp / "train.npy", train)
+        np.save(tmp / "val.npy", val)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    log.info("corpus: %d train / %d val tokens, unigram %.3f nats", train.size, val.size, meta["unigram_baseline"])
+
+
+def cmd_train(args) -> None:
+    import numpy as np
+
+    from .config import tiny_arch, train_config
+    from .models.load import load_tokenizer
+    from .models.train import train_tiny
+    from .provenance import atomic_path, provenance, write_json
+
+    cfg = _config(args)
+    if cfg["models"][args.model]["kind"] != "tiny":
+        raise SystemExit(f"error: models.{args.model} is kind 'pretrained'; only tiny models are trained here")
+    corpus = Path(args.corpus)
+    tok = load_tokenizer(args.tokenizer, builder="tokenizer")
+    meta = json.loads((corpus / "meta.json").read_text())
+    train, val = np.load(corpus / "train.npy"), np.load(corpus / "val.npy")
+    with atomic_path(args.out) as tmp:
+        summary = train_tiny(tiny_arch(cfg), train_config(cfg, args.model), train, val, tok, tmp,
+                             progress=not args.quiet)
+    summary.update(model=args.model, unigram_baseline=meta["unigram_baseline"], corpus=meta["sources"],
+                   **provenance(cfg, seed=cfg["seed"]))
+    write_json(args.summary, summary)
+    log.info("%s: val loss %.3f (unigram %.3f) in %.0f s", args.model, summary["val_loss"],
+             meta["unigram_baseline"], summary["train_seconds"])
+
+
+def cmd_workload(args) -> None:
+    from .provenance import write_jsonl
+    from .workloads import DEFAULT_TEMPLATES, build_text_suite
+
+    cfg = _config(args)
+    w = cfg["workloads"][args.suite]
+    rows = build_text_suite(args.suite, cfg["data_dir"], w["n_prompts"], cfg["seed"],
+                            w.get("template", DEFAULT_TEMPLATES[args.suite]))
+    write_jsonl(args.out, rows)
+    log.info("%s: %d prompts -> %s", args.suite, len(rows), args.out)
+
+
+def cmd_tokenize(args) -> None:
+    from .models.load import load_tokenizer
+    from .provenance import read_jsonl, write_jsonl
+    from .workloads import tokenize_suite
+
+    cfg = _config(args)
+    tok = load_tokenizer(args.model_dir)
+    rows, summary = tokenize_suite(read_jsonl(args.prompts), tok, cfg["max_prompt_tokens"], cfg["overlong_prompt"])
+    write_jsonl(args.out, rows)
+    log.info("tokenized %s: %s", args.prompts, summary)
+
+
+def _load(cfg: dict, model_dir: str):
+    import torch
+
+    from .models.load import load_model
+
+    model = load_model(model_dir, dtype=getattr(torch, cfg["dtype"]), builder="train_model")
+    return model.to(cfg["device"])
+
+
+def cmd_ead(args) -> None:
+    from .ead.measure import measure_suite
+    from .provenance import provenance, read_jsonl, write_jsonl
+
+    cfg = _config(args)
+    _threads(cfg)
+    model = _load(cfg, args.model_dir)
+    prompts = read_jsonl(args.prompts)
+    n = args.max_new_tokens or cfg["ead"]["max_new_tokens"]
+    eos = model.config.eos_token_id if cfg["ead"]["stop_at_eos"] else None
+    rows, errors = measure_suite(model, prompts, n, eos_token_id=eos, progress=not args.quiet)
+    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    for r in rows + errors:
+        r.update(model=args.model, max_new_tokens=n, rule="greedy", **prov)
+    for e in errors:
+        log.warning("prompt %s skipped: %s", e["prompt_id"], e["error"])
+    write_jsonl(args.out, rows + errors)
+    bad = sum(1 for r in rows if not r["ar_match"])
+    log.info("%s: %d tokens from %d prompts, %d errors, %d tokens on prompts that differ from AR",
+             args.out, len(rows), len(prompts) - len(errors), len(errors), bad)
+
+
+def cmd_ar_bench(args) -> None:
+    import torch
+
+    from .provenance import provenance, read_jsonl, write_jsonl
+    from .spec.ar import ar_decode
+
+    cfg = _config(args)
+    _threads(cfg)
+    model = _load(cfg, args.model_dir)
+    b = cfg["ar_bench"]
+    prompts = [p for p in read_jsonl(args.prompts) if p.get("input_ids")]
+    eos = model.config.eos_token_id if cfg["ead"]["stop_at_eos"] else None
+    n = args.max_new_tokens or b["max_new_tokens"]
+    for p in prompts[: b["warmup_prompts"]]:  # warm-up, not recorded
+        ar_decode(model, p["input_ids"], n, eos_token_id=eos)
+    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    rows = []
+    for rep in range(b["repetitions"]):
+        for p in prompts:
+            try:
+                res = ar_decode(model, p["input_ids"], n, eos_token_id=eos)
+            except ValueError as e:
+                rows.append({"prompt_id": p["id"], "suite": p.get("suite"), "repetition": rep, "error": str(e),
+                             "model": args.model, **prov})
+                continue
+            rows.append({
+                "prompt_id": p["id"], "suite": p.get("suite"), "model": args.model, "repetition": rep,
+                "n_prompt_tokens": len(p["input_ids"]), "n_new_tokens": len(res.tokens),
+                "token_ids": res.tokens, "prefill_seconds": res.prefill_seconds,
+                "token_seconds": res.token_seconds, "stopped_at_eos": res.stopped_at_eos,
+                "warmup_prompts_excluded": b["warmup_prompts"], **prov,
+            })
+    del torch
+    write_jsonl(args.out, rows)
+    log.info("%s: %d rows", args.out, len(rows))
+
+
+def cmd_tables(args) -> None:
+    from .provenance import write_json
+    from .report.tables import (ar_table, best_selection, ead_tables, load_rows, paired_model_comparison,
+                                training_table, write_table)
+
+    cfg = _config(args)
+    out = Path(args.out_dir)
+    ead_all = load_rows(args.ead)
+    ead = [r for r in ead_all if "error" not in r]
+    ar_all = load_rows(args.ar) if args.ar else []
+    ar = [r for r in ar_all if "error" not in r]
+    training, depth = training_table(args.train) if args.train else (None, None)
+    if training is not None:
+        write_table(training, out / "training")
+        write_table(depth, out / "val_loss_by_depth")
+    tabs = ead_tables(ead, cfg["ead"]["num_speculations"], cfg["ead"]["nested_chains"])
+    for name, df in tabs.items():
+        write_table(df, out / name)
+    write_table(best_selection(tabs["selection"]), out / "selection_best")
+    comp = cfg["ead"].get("compare")
+    if comp:
+        write_table(paired_model_comparison(ead, comp["baseline"], comp["treatment"]), out / "ls_vs_std")
+    write_table(ar_table(ar, ead), out / "ar_throughput")
+    keys = ("git_sha", "git_dirty", "config_hash", "device", "dtype", "torch_version", "transformers_version",
+            "python_version")
+    prov = {k: ead[0].get(k) for k in keys} if ead else {}
+    prov["run_ids"] = sorted({r["run_id"] for r in ead_all + ar_all})
+    prov["prompt_errors"] = sum(1 for r in ead_all if "error" in r)
+    write_json(out / "provenance.json", prov)
+
+
+def cmd_figures(args) -> None:
+    import pandas as pd
+
+    from .report import figures as F
+
+    td, fd = Path(args.tables_dir), Path(args.out_dir)
+    read = lambda n: pd.read_csv(td / f"{n}.csv")  # noqa: E731
+    F.ead_histograms(read("ead_hist"), read("ead_summary"), fd / "ead_hist.png")
+    F.s_x_vs_k(read("s_x"), fd / "s_x_vs_k.png")
+    F.selection_curves(read("selection"), read("s_x"), fd / "selection.png")
+    if (td / "val_loss_by_depth.csv").is_file():
+        F.loss_by_depth(read("val_loss_by_depth"), read("training"), fd / "loss_by_depth.png")
+
+
+def cmd_report(args) -> None:
+    from .report.markdown import build_report
+
+    td, fd = Path(args.tables_dir), Path(args.figures_dir)
+    prov = json.loads((td / "provenance.json").read_text())
+    figs = {
+        "Stable EAD distribution per model and workload (DEX Fig. 6 shape)": fd / "ead_hist.png",
+        "S_X vs K with the S_EAD oracle (Prop. 7)": fd / "s_x_vs_k.png",
+        "Single-exit selection vs exit depth (Eq. 4)": fd / "selection.png",
+        "Validation loss of the intermediate readout per depth": fd / "loss_by_depth.png",
+    }
+    figs = {k: v for k, v in figs.items() if v.is_file()}
+    build_report(args.out, tables_dir=td, figures=figs, provenance=prov, config_name=args.config_name,
+                 prompt_errors=prov.get("prompt_errors", 0))
+    print(f"report: {args.out}")
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m impl", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    cfgp = argparse.ArgumentParser(add_help=False)
+    g = cfgp.add_mutually_exclusive_group()
+    g.add_argument("--config", help="YAML config (e.g. configs/default.yaml)")
+    g.add_argument("--config-json", help="validated config as JSON text, or @FILE holding it (used by workflow rules)")
+    cfgp.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    def add(name, fn, help_):
+        sp = sub.add_parser(name, parents=[cfgp], help=help_, description=help_)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    add("validate-config", cmd_validate, "validate a config file (schema, references, data and model paths)")
+    sp = add("tokenizer", cmd_tokenizer, "train the byte-level BPE tokenizer of the tiny models")
+    sp.add_argument("--out", required=True, help="tokenizer directory to write")
+    sp = add("corpus", cmd_corpus, "tokenize the training corpus into train.npy / val.npy / meta.json")
+    sp.add_argument("--tokenizer", required=True)
+    sp.add_argument("--out", required=True, help="corpus directory to write")
+    sp = add("train", cmd_train, "train one tiny model (plain or early-exit loss) into a HF directory")
+    sp.add_argument("--model", required=True, help="model name (a key of models: in the config)")
+    sp.add_argument("--tokenizer", required=True)
+    sp.add_argument("--corpus", required=True)
+    sp.add_argument("--out", required=True, help="model directory to write")
+    sp.add_argument("--summary", required=True, help="training summary JSON to write")
+    sp = add("workload", cmd_workload, "freeze a text prompt suite (seeded sample of N prompts)")
+    sp.add_argument("--suite", required=True)
+    sp.add_argument("--out", required=True)
+    sp = add("tokenize", cmd_tokenize, "tokenize a text suite with a model's tokenizer (token-id JSONL)")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--prompts", required=True, help="text suite JSONL (rows: id, text)")
+    sp.add_argument("--out", required=True)
+    sp = add("ead", cmd_ead, "oracle EAD measurement: one row per generated token")
+    sp.add_argument("--model", required=True, help="model name recorded in the rows")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--prompts", required=True, help="token-id JSONL (rows: id, input_ids)")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--max-new-tokens", type=int, help="override ead.max_new_tokens")
+    sp = add("ar-bench", cmd_ar_bench, "AR decoding throughput, one row per prompt and repetition")
+    sp.add_argument("--model", required=True)
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--prompts", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--max-new-tokens", type=int, help="override ar_bench.max_new_tokens")
+    sp = add("tables", cmd_tables, "EAD / S_X / selection / AR / training tables from raw rows")
+    sp.add_argument("--ead", nargs="+", required=True, help="EAD row files")
+    sp.add_argument("--ar", nargs="*", default=[], help="AR benchmark row files")
+    sp.add_argument("--train", nargs="*", default=[], help="training summary JSON files")
+    sp.add_argument("--out-dir", required=True)
+    sp = add("figures", cmd_figures, "PNG figures from the tables")
+    sp.add_argument("--tables-dir", required=True)
+    sp.add_argument("--out-dir", required=True)
+    sp = add("report", cmd_report, "write results/REPORT.md")
+    sp.add_argument("--tables-dir", required=True)
+    sp.add_argument("--figures-dir", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--config-name", default="configs/default.yaml")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        args.fn(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

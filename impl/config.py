@@ -1,0 +1,328 @@
+"""Configuration: JSON-schema validation of the YAML config and typed views of its sections.
+
+Configs flow one way (DESIGN.md): YAML -> :func:`validate_config` (JSON schema, one-line errors
+naming the key) -> rule params -> the typed dataclasses below. The same validator runs in
+``workflows/common.smk`` before any job starts and in every ``python -m impl`` command.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from .workloads import SUITES, check_data
+from .models.corpus import SOURCES
+
+_POS_INT = {"type": "integer", "minimum": 1}
+_POS_NUM = {"type": "number", "exclusiveMinimum": 0}
+
+_EARLY_EXIT = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "enabled": {"type": "boolean"},
+        "layers_per_step": _POS_INT,
+        "position_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "weight": {"type": "number", "minimum": 0},
+    },
+    "required": ["enabled"],
+}
+
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "impl harness configuration",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["data_dir", "results_dir", "figures_dir", "models_dir", "seed", "models", "workloads", "ead"],
+    "properties": {
+        "data_dir": {"type": "string", "description": "folder with the datasets of SOURCES.md"},
+        "results_dir": {"type": "string"},
+        "figures_dir": {"type": "string"},
+        "models_dir": {"type": "string", "description": "cache of trained tiny models"},
+        "logs_dir": {"type": "string"},
+        "seed": {"type": "integer", "minimum": 0},
+        "threads": _POS_INT,
+        "device": {"type": "string", "pattern": "^(cpu|cuda(:[0-9]+)?)$"},
+        "dtype": {"enum": ["float32", "bfloat16", "float16"]},
+        "tokenizer": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"vocab_size": {"type": "integer", "minimum": 257}},
+        },
+        "corpus": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "sources": {"type": "array", "items": {"enum": list(SOURCES)}, "minItems": 1, "uniqueItems": True},
+                "max_chars_per_source": {"type": "integer", "minimum": 1000},
+                "val_fraction": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.5},
+            },
+        },
+        "tiny_arch": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "num_layers": {"type": "integer", "minimum": 2},
+                "hidden_size": _POS_INT,
+                "num_heads": _POS_INT,
+                "intermediate_size": _POS_INT,
+                "max_position_embeddings": {"type": "integer", "minimum": 16},
+            },
+        },
+        "training": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "steps": _POS_INT,
+                "batch_size": _POS_INT,
+                "seq_len": {"type": "integer", "minimum": 8},
+                "lr": _POS_NUM,
+                "warmup_steps": {"type": "integer", "minimum": 0},
+                "weight_decay": {"type": "number", "minimum": 0},
+                "grad_clip": _POS_NUM,
+                "eval_windows": _POS_INT,
+            },
+        },
+        "models": {
+            "type": "object",
+            "minProperties": 1,
+            "propertyNames": {"pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]*$"},
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["kind"],
+                "properties": {
+                    "kind": {"enum": ["tiny", "pretrained"]},
+                    "path": {"type": "string", "description": "local HF directory (kind: pretrained)"},
+                    "early_exit": _EARLY_EXIT,
+                    "description": {"type": "string"},
+                },
+                "if": {"properties": {"kind": {"const": "pretrained"}}},
+                "then": {"required": ["path"]},
+            },
+        },
+        "max_prompt_tokens": {"type": "integer", "minimum": 2},
+        "overlong_prompt": {"enum": ["truncate_left", "skip"]},
+        "workloads": {
+            "type": "object",
+            "minProperties": 1,
+            "propertyNames": {"enum": list(SUITES)},
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {"n_prompts": _POS_INT, "template": {"type": "string", "minLength": 1}},
+                "required": ["n_prompts"],
+            },
+        },
+        "ead": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["models", "workloads", "max_new_tokens"],
+            "properties": {
+                "models": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                "workloads": {"type": "array", "items": {"enum": list(SUITES)}, "minItems": 1},
+                "max_new_tokens": _POS_INT,
+                "stop_at_eos": {"type": "boolean"},
+                "num_speculations": {"type": "array", "items": _POS_INT, "minItems": 1},
+                "compare": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["baseline", "treatment"],
+                    "properties": {"baseline": {"type": "string"}, "treatment": {"type": "string"}},
+                    "description": "paired per-prompt comparison of mean stable EAD (treatment - baseline)",
+                },
+                "nested_chains": {
+                    "type": "array",
+                    "items": {"type": "array", "items": _POS_INT, "minItems": 2},
+                },
+            },
+        },
+        "ar_bench": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "max_new_tokens": _POS_INT,
+                "warmup_prompts": {"type": "integer", "minimum": 0},
+                "repetitions": _POS_INT,
+            },
+        },
+    },
+}
+
+DEFAULTS: dict[str, Any] = {
+    "logs_dir": "logs",
+    "threads": 1,
+    "device": "cpu",
+    "dtype": "float32",
+    "tokenizer": {"vocab_size": 4096},
+    "corpus": {"sources": list(SOURCES), "max_chars_per_source": 4_000_000, "val_fraction": 0.02},
+    "tiny_arch": {"num_layers": 12, "hidden_size": 128, "num_heads": 4, "intermediate_size": 352,
+                  "max_position_embeddings": 1024},
+    "training": {"steps": 800, "batch_size": 8, "seq_len": 256, "lr": 3e-3, "warmup_steps": 50,
+                 "weight_decay": 0.1, "grad_clip": 1.0, "eval_windows": 64},
+    "max_prompt_tokens": 512,
+    "overlong_prompt": "truncate_left",
+    "ar_bench": {"max_new_tokens": 64, "warmup_prompts": 2, "repetitions": 1},
+}
+EAD_DEFAULTS = {"stop_at_eos": True, "num_speculations": [1, 4], "nested_chains": [[2, 4, 12], [3, 6, 12]]}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a one-line message naming the key or path and the fix."""
+
+
+def _merge(defaults: dict, cfg: dict) -> dict:
+    out = copy.deepcopy(defaults)
+    for k, v in cfg.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _key_path(err: jsonschema.ValidationError) -> str:
+    parts = [str(p) for p in err.absolute_path]
+    if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+        allowed = set(err.schema.get("properties", {}))
+        extra = sorted(set(err.instance) - allowed)
+        if extra:
+            parts.append(extra[0])
+    elif err.validator == "propertyNames":
+        parts.append(str(err.instance))
+    return ".".join(parts) or "<top level>"
+
+
+def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[str, Any]:
+    """Validate a raw config mapping and return it with defaults filled in.
+
+    Checks, in order: the JSON schema (unknown keys, wrong types, out-of-range values); cross-key
+    references (``ead.models`` must name entries of ``models``, ``ead.workloads`` entries of
+    ``workloads``); and, if ``check_paths``, the data files each workload and the corpus need and the
+    directories of ``kind: pretrained`` models.
+
+    Raises:
+        ConfigError: one line naming the offending key or path and how to fix it.
+    """
+    if not isinstance(cfg, dict):
+        raise ConfigError("config: top level must be a mapping")
+    validator = jsonschema.Draft202012Validator(SCHEMA)
+    errors = sorted(validator.iter_errors(cfg), key=lambda e: (len(list(e.absolute_path)), str(e.absolute_path)))
+    if errors:
+        e = errors[0]
+        key = _key_path(e)
+        if e.validator == "additionalProperties":
+            msg = f"unknown key '{key}' (allowed here: {', '.join(sorted(e.schema.get('properties', {})))})"
+        elif e.validator == "propertyNames":
+            msg = f"invalid name '{key}': {e.message}"
+        else:
+            msg = f"bad value for '{key}': {e.message}"
+        raise ConfigError(f"config: {msg}")
+    out = _merge(DEFAULTS, cfg)
+    out["ead"] = _merge(EAD_DEFAULTS, out["ead"])
+    for i, m in enumerate(out["ead"]["models"]):
+        if m not in out["models"]:
+            raise ConfigError(f"config: 'ead.models[{i}]' names '{m}', which is not a key of 'models' ({', '.join(out['models'])})")
+    for i, w in enumerate(out["ead"]["workloads"]):
+        if w not in out["workloads"]:
+            raise ConfigError(f"config: 'ead.workloads[{i}]' names '{w}', which is not a key of 'workloads'")
+    comp = out["ead"].get("compare")
+    if comp:
+        for role in ("baseline", "treatment"):
+            if comp[role] not in out["ead"]["models"]:
+                raise ConfigError(f"config: 'ead.compare.{role}' names '{comp[role]}', which is not in 'ead.models'")
+    tiny_ctx = out["tiny_arch"]["max_position_embeddings"]
+    need = out["max_prompt_tokens"] + max(out["ead"]["max_new_tokens"], out["ar_bench"]["max_new_tokens"])
+    if any(m["kind"] == "tiny" for m in out["models"].values()) and need > tiny_ctx:
+        raise ConfigError(
+            f"config: 'max_prompt_tokens' + max new tokens = {need} exceeds 'tiny_arch.max_position_embeddings' "
+            f"= {tiny_ctx}; lower max_prompt_tokens or raise the context")
+    L = out["tiny_arch"]["num_layers"]
+    for i, chain in enumerate(out["ead"]["nested_chains"]):
+        if any(L % k for k in chain) or list(chain) != sorted(set(chain)):
+            raise ConfigError(
+                f"config: 'ead.nested_chains[{i}]' = {chain} must be increasing explorer counts K that divide "
+                f"num_layers ({L})")
+    if check_paths:
+        check_config_paths(out)
+    return out
+
+
+def check_config_paths(cfg: dict[str, Any]) -> None:
+    """Check the data files and pretrained model directories a validated config needs.
+
+    Raises:
+        ConfigError: naming the missing path and the key that points at it.
+    """
+    data_dir = Path(cfg["data_dir"])
+    if not data_dir.is_dir():
+        raise ConfigError(
+            f"config: 'data_dir' = {data_dir} is not a folder; point it at the datasets listed in "
+            "SOURCES.md (canonical copies: ../shared/data)")
+    for suite in cfg["workloads"]:
+        try:
+            check_data(suite, data_dir)
+        except FileNotFoundError as e:
+            raise ConfigError(f"config: workloads.{suite}: {e}") from None
+    if any(m["kind"] == "tiny" for m in cfg["models"].values()):
+        from .models.corpus import _need
+
+        need = {"gsm8k_train": "gsm8k/train.jsonl", "sharegpt": "chat/sharegpt_v3_subset.jsonl"}
+        for src in cfg["corpus"]["sources"]:
+            if src in need:
+                try:
+                    _need(data_dir / need[src])
+                except FileNotFoundError as e:
+                    raise ConfigError(f"config: corpus.sources ({src}): {e}") from None
+    for name, m in cfg["models"].items():
+        if m["kind"] == "pretrained" and not (Path(m["path"]) / "config.json").is_file():
+            raise ConfigError(
+                f"config: 'models.{name}.path' = {m['path']} is not a Hugging Face model directory "
+                "(no config.json); download the weights on a machine with access and set the path")
+
+
+def load_config(path: str | Path, *, check_paths: bool = True) -> dict[str, Any]:
+    """Read a YAML config file and validate it (see :func:`validate_config`).
+
+    Raises:
+        ConfigError: missing/unparsable file, or an invalid config (one line, naming the key).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return validate_config(raw or {}, check_paths=check_paths)
+
+
+def config_from_json(text: str) -> dict[str, Any]:
+    """Parse a validated config passed as JSON (how workflow rules hand the config to commands)."""
+    return validate_config(json.loads(text), check_paths=False)
+
+
+def model_dir(cfg: dict[str, Any], name: str) -> Path:
+    """Directory of model ``name``: ``models_dir/name`` for tiny models, ``path`` for pretrained."""
+    m = cfg["models"][name]
+    return Path(m["path"]) if m["kind"] == "pretrained" else Path(cfg["models_dir"]) / name
+
+
+def train_config(cfg: dict[str, Any], name: str):
+    """Typed :class:`impl.models.train.TrainConfig` for tiny model ``name``."""
+    from .models.train import EarlyExit, TrainConfig
+
+    ee = cfg["models"][name].get("early_exit", {"enabled": False})
+    return TrainConfig(**cfg["training"], seed=cfg["seed"], threads=cfg["threads"], early_exit=EarlyExit(**ee))
+
+
+def tiny_arch(cfg: dict[str, Any]):
+    """Typed :class:`impl.models.tiny.TinyArch` of the config."""
+    from .models.tiny import TinyArch
+
+    return TinyArch(**cfg["tiny_arch"])

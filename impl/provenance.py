@@ -1,0 +1,175 @@
+"""Provenance stamps and atomic result files.
+
+Every result row carries who/what/where produced it (DESIGN.md, "Results"): run id, git sha and
+dirty flag, config hash, seed, device, dtype and library versions. Every result file is written to a
+temporary name beside its destination and renamed when complete, so a partial file never satisfies
+a Snakemake rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def git_state() -> tuple[str, bool]:
+    """Return ``(sha, dirty)`` of the repository holding this package.
+
+    ``sha`` is ``"unknown"`` outside a git checkout (then ``dirty`` is True: nothing vouches for
+    the code). Untracked files do not count as dirty; modified tracked files do.
+    """
+    sha = _git("rev-parse", "HEAD")
+    if not sha:
+        return "unknown", True
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return sha, bool(status)
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """SHA-256 (first 16 hex digits) of the canonical JSON form of a config mapping."""
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def provenance(
+    config: Mapping[str, Any] | None = None,
+    *,
+    seed: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    run_id: str | None = None,
+) -> dict[str, Any]:
+    """Provenance fields stamped on every result row.
+
+    Args:
+        config: the (validated) configuration the run used; hashed, not copied.
+        seed: the run's seed (int), or None where no randomness is involved.
+        device: torch device string the work ran on.
+        dtype: torch dtype name of the model weights.
+        run_id: identifier shared by all rows of one invocation; a fresh UUID4 hex if None.
+
+    Returns:
+        dict with keys run_id, git_sha, git_dirty, config_hash, seed, device, dtype,
+        torch_version, transformers_version, python_version, host.
+    """
+    import torch
+    import transformers
+
+    sha, dirty = git_state()
+    return {
+        "run_id": run_id or uuid.uuid4().hex[:12],
+        "git_sha": sha,
+        "git_dirty": dirty,
+        "config_hash": config_hash(config or {}),
+        "seed": seed,
+        "device": device,
+        "dtype": dtype,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python_version": platform.python_version(),
+        "host": platform.node(),
+    }
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it onto ``path`` only on success.
+
+    Works for files and directories. On an exception the temporary is removed and ``path`` is left
+    untouched, so a rule never sees a partial output.
+    """
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    target = tmp / dest.name
+    try:
+        yield target
+        if dest.is_dir() and not dest.is_symlink():
+            import shutil
+
+            shutil.rmtree(dest)
+        os.replace(target, dest)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> int:
+    """Write rows as JSON Lines atomically; return the number of rows written."""
+    n = 0
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False, default=_json_default) + "\n")
+            n += 1
+    return n
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write one JSON document atomically (indented, keys sorted)."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True, ensure_ascii=False, default=_json_default)
+        fh.write("\n")
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a text file atomically."""
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a JSON Lines file.
+
+    Raises:
+        FileNotFoundError: naming the path.
+        ValueError: naming the path and line number of a malformed line.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no such JSONL file: {p}")
+    rows = []
+    with open(p, encoding="utf-8") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{i}: malformed JSON line ({e.msg})") from None
+    return rows
+
+
+def _json_default(obj: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")

@@ -1,0 +1,1 @@
+"""Tables (pandas) and figures (matplotlib) built from raw result rows only, and REPORT.md."""

@@ -1,0 +1,52 @@
+# Config validation (JSON schema in impl/config.py) and path/input helpers shared by every family.
+# A bad key, value, data file or model directory fails here, before any job starts.
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, workflow.basedir)
+
+from impl.config import ConfigError, model_dir, validate_config  # noqa: E402
+from impl.provenance import config_hash  # noqa: E402
+
+try:
+    CFG = validate_config(config)
+except ConfigError as err:
+    raise WorkflowError(str(err))
+
+RESULTS = CFG["results_dir"]
+FIGURES = CFG["figures_dir"]
+MODELS = CFG["models_dir"]
+LOGS = CFG["logs_dir"]
+PY = sys.executable
+
+# The validated config (with --config overrides and defaults) is handed to every command as a
+# file; rules re-run when the config sections they use change (their `sig` param), not on any edit.
+EFFECTIVE_CONFIG = Path(RESULTS) / ".config" / "effective.json"
+_text = json.dumps(CFG, indent=2, sort_keys=True)
+if not EFFECTIVE_CONFIG.is_file() or EFFECTIVE_CONFIG.read_text() != _text:
+    EFFECTIVE_CONFIG.parent.mkdir(parents=True, exist_ok=True)
+    _tmp = EFFECTIVE_CONFIG.with_suffix(".tmp")
+    _tmp.write_text(_text)
+    _tmp.replace(EFFECTIVE_CONFIG)
+CONFIG_ARG = f"--config-json @{EFFECTIVE_CONFIG}"
+
+
+def sig(*keys, **extra):
+    """Hash of the config sections a rule depends on (a param, so edits elsewhere don't re-run it)."""
+    return config_hash({**{k: CFG.get(k) for k in keys}, **extra})
+
+
+def model_path(wildcards):
+    """Directory of model {model}: trained by rule train_model (tiny) or given by path (pretrained)."""
+    return str(model_dir(CFG, wildcards.model))
+
+
+EAD_MODELS = CFG["ead"]["models"]
+EAD_WORKLOADS = CFG["ead"]["workloads"]
+TINY_MODELS = [m for m, v in CFG["models"].items() if v["kind"] == "tiny"]
+
+wildcard_constraints:
+    model="|".join(map(re.escape, CFG["models"])),
+    suite="|".join(map(re.escape, CFG["workloads"])),

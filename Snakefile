@@ -7,8 +7,9 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-# The embedded default unless --configfile names another one (configs are not merged).
-if not config:
+# The embedded default unless --configfile names other files (then the default is not merged in;
+# --config KEY=VALUE overrides apply on top of whichever file is used).
+if not workflow.overwrite_configfiles:
 
     configfile: "configs/default.yaml"
 

@@ -1,6 +1,7 @@
 # Config validation (JSON schema in impl/config.py) and path/input helpers shared by every family.
 # A bad key, value, data file or model directory fails here, before any job starts.
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -21,13 +22,14 @@ MODELS = CFG["models_dir"]
 LOGS = CFG["logs_dir"]
 PY = sys.executable
 
-# The validated config (with --config overrides and defaults) is handed to every command as a
-# file; rules re-run when the config sections they use change (their `sig` param), not on any edit.
-EFFECTIVE_CONFIG = Path(RESULTS) / ".config" / "effective.json"
+# The validated config (with --config overrides and defaults) is handed to every command as a file
+# named by its hash (written once, never overwritten, so concurrent invocations cannot race); rules
+# re-run when the config sections they use change (their `sig` param), not on any edit.
+EFFECTIVE_CONFIG = Path(RESULTS) / ".config" / f"{config_hash(CFG)}.json"
 _text = json.dumps(CFG, indent=2, sort_keys=True)
-if not EFFECTIVE_CONFIG.is_file() or EFFECTIVE_CONFIG.read_text() != _text:
+if not EFFECTIVE_CONFIG.is_file():
     EFFECTIVE_CONFIG.parent.mkdir(parents=True, exist_ok=True)
-    _tmp = EFFECTIVE_CONFIG.with_suffix(".tmp")
+    _tmp = EFFECTIVE_CONFIG.with_suffix(f".{os.getpid()}.tmp")
     _tmp.write_text(_text)
     _tmp.replace(EFFECTIVE_CONFIG)
 CONFIG_ARG = f"--config-json @{EFFECTIVE_CONFIG}"

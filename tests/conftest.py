@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny randomly initialised Llama (seeded) and a tiny byte-level tokenizer."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import os
+
+ROOT = Path(__file__).resolve().parents[1]
+# Same rule as scripts/data_dir.sh: IMPL_DATA_DIR, else ../shared/data, else /work/shared/data.
+DATA_DIR = Path(os.environ.get("IMPL_DATA_DIR") or ROOT.parent / "shared" / "data")
+if not DATA_DIR.is_dir():
+    DATA_DIR = Path("/work/shared/data")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A seeded random 12-layer Llama (hidden 32, vocab 97) in eval mode. Random weights make
+    intermediate candidates disagree often, which exercises every branch of the EAD code."""
+    from impl.models.tiny import TinyArch
+
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+
+    cfg = TinyArch(num_layers=12, hidden_size=32, num_heads=4, intermediate_size=64,
+                   max_position_embeddings=128).to_hf_config(vocab_size=97, eos_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    # Scale up the residual stream so that layers move the argmax (random init is too smooth).
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    from impl.models.tokenizer import train_tokenizer
+
+    texts = ["Question: how many apples?\nAnswer: 3 apples. #### 3", "def f(x):\n    return x + 1\n"] * 20
+    return train_tokenizer(texts, 300, tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def data_dir():
+    if not DATA_DIR.is_dir():
+        pytest.skip(f"data folder {DATA_DIR} not present")
+    return DATA_DIR

@@ -1,0 +1,152 @@
+"""Cluster deliverables: configs/paper/*.yaml validate, the SLURM profile dry-runs, and lint.
+
+Dry runs happen in a temporary copy of the workflow (Snakefile, workflows/, impl/, configs/,
+profiles/) with ../shared/data linked to the data folder, so they never read or write the
+repository's results/, .snakemake/ or the state of a run in progress there; a fresh copy also makes
+every rule appear in the plan.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from impl.config import validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER_CONFIGS = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
+PROFILE = ROOT / "profiles" / "slurm" / "config.yaml"
+GPU_RULES = ("measure_ead", "ar_bench", "train_model")
+ALL_RULES = ("tokenizer", "corpus", "train_model", "workload_text", "workload_tokens", "measure_ead",
+             "ar_bench", "tables", "figures", "report")
+
+
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, data_dir) -> Path:
+    base = tmp_path_factory.mktemp("cluster")
+    repo = base / "repo"
+    repo.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copy2(ROOT / "Snakefile", repo / "Snakefile")
+    for d in ("workflows", "impl", "configs", "profiles"):
+        shutil.copytree(ROOT / d, repo / d, ignore=ignore)
+    (base / "shared").mkdir()
+    (base / "shared" / "data").symlink_to(Path(data_dir).resolve(), target_is_directory=True)
+    return repo
+
+
+# --- configs/paper ----------------------------------------------------------------------------
+
+def test_paper_configs_exist():
+    names = {p.name for p in PAPER_CONFIGS}
+    assert {"dex.yaml", "tev.yaml", "vskipper.yaml"} <= names, names
+
+
+@pytest.mark.parametrize("path", PAPER_CONFIGS, ids=lambda p: p.name)
+def test_paper_config_validates(path):
+    text = path.read_text()
+    assert text.startswith("#"), f"{path.name} must start with a comment block"
+    raw = yaml.safe_load(text)
+    cfg = validate_config(raw, check_paths=False)
+    assert cfg["device"] == "cuda" and cfg["dtype"] == "bfloat16"
+    for name, m in raw["models"].items():
+        assert m["kind"] == "pretrained", name
+        assert m["path"].startswith("/path/to/"), f"{name}: path should be a placeholder to fill in"
+
+
+def test_dex_config_matches_figure6():
+    cfg = validate_config(yaml.safe_load((ROOT / "configs" / "paper" / "dex.yaml").read_text()),
+                          check_paths=False)
+    assert cfg["ead"]["workloads"] == ["gsm8k", "humaneval", "xsum"]
+    assert all(cfg["workloads"][w]["n_prompts"] == 36 for w in cfg["ead"]["workloads"])
+    assert cfg["ead"]["max_new_tokens"] == 512
+    assert cfg["ead"]["compare"] == {"baseline": "llama2-70b", "treatment": "ls-llama2-70b"}
+
+
+# --- profiles/slurm -----------------------------------------------------------------------------
+
+def test_profile_settings():
+    prof = yaml.safe_load(PROFILE.read_text())
+    assert prof["executor"] == "slurm"
+    assert prof["retries"] == 1 and prof["rerun-incomplete"] is True
+    for key in ("slurm_account", "slurm_partition", "mem_mb", "runtime", "cpus_per_task"):
+        assert key in prof["default-resources"], key
+    res = prof["set-resources"]
+    for rule in GPU_RULES:
+        assert res[rule]["gres"] == "gpu:1", rule
+    for rule, r in res.items():
+        assert rule in ALL_RULES, f"set-resources names unknown rule {rule}"
+        assert "gres" not in str(r.get("slurm_extra", "")) and "gpus" not in str(r.get("slurm_extra", ""))
+
+
+@pytest.mark.parametrize("extra", [["--configfile", "configs/smoke.yaml"], []], ids=["smoke", "default"])
+def test_profile_dry_run(workdir, extra):
+    p = _run(workdir, "--profile", "profiles/slurm", "-n", *extra)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "Using profile profiles/slurm" in out
+    for rule in ALL_RULES:
+        assert re.search(rf"^rule {rule}:", out, re.M), f"rule {rule} not in the dry-run plan"
+    # the GPU rules get their SLURM resources from the profile
+    blocks = re.findall(r"^rule (\w+):\n(.*?)(?=^\S)", out, re.M | re.S)
+    assert {r for r, _ in blocks} >= set(ALL_RULES)
+    for rule, body in blocks:
+        if rule in GPU_RULES:
+            assert "gres=gpu:1" in body and "slurm_partition=gpu" in body, (rule, body)
+        elif rule != "all":
+            assert "gres=" not in body, (rule, body)
+
+
+@pytest.mark.parametrize("path", PAPER_CONFIGS, ids=lambda p: p.name)
+def test_paper_config_dry_run(workdir, tmp_path, path):
+    """Each paper config plans its EAD/AR jobs once the model paths exist (stub HF directories)."""
+    raw = yaml.safe_load(path.read_text())
+    for name, m in raw["models"].items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        m["path"] = str(d)
+    cfg_file = tmp_path / path.name
+    cfg_file.write_text(yaml.safe_dump(raw))
+    p = _run(workdir, "--profile", "profiles/slurm", "-n", "--configfile", str(cfg_file))
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    n = len(raw["ead"]["models"]) * len(raw["ead"]["workloads"])
+    for rule in ("measure_ead", "ar_bench"):
+        assert re.search(rf"^{rule}\s+{n}$", out, re.M), f"{rule}: expected {n} jobs"
+    assert not re.search(r"^(train_model|tokenizer|corpus)\s", out, re.M)
+
+
+# --- lint -----------------------------------------------------------------------------------------
+
+# Lints that `snakemake --lint` reports for workflows/*.smk at the time of writing (those files are
+# maintained elsewhere); anything else fails this test.
+KNOWN_LINTS = (
+    r"Specify a conda environment or container for each rule\.",
+    r"Shell command directly uses variable (PY|CONFIG_ARG|TABLES|FIGURES) from outside of the rule",
+)
+
+
+def test_lint(workdir):
+    p = _run(workdir, "--lint")
+    out = p.stdout + p.stderr
+    if p.returncode == 0:
+        return
+    assert p.returncode == 1 and "Lints for" in out, out[-4000:]
+    bullets = re.findall(r"^\s+\* (.+?):?$", out, re.M)
+    assert bullets, out[-4000:]
+    unknown = sorted({b for b in bullets if not any(re.fullmatch(k, b) for k in KNOWN_LINTS)})
+    assert not unknown, f"new lint messages: {unknown}"
+    pytest.xfail(f"snakemake --lint exits 1 with {len(bullets)} known lints in workflows/*.smk: "
+                 + "; ".join(sorted(set(bullets))))

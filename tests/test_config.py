@@ -1,0 +1,100 @@
+"""Bad configs fail before any job starts, with one line naming the key or path."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from impl.config import ConfigError, load_config, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def cfg(data_dir):
+    c = yaml.safe_load((ROOT / "configs" / "smoke.yaml").read_text())
+    c["data_dir"] = str(data_dir)
+    return c
+
+
+def _err(c, **kw):
+    with pytest.raises(ConfigError) as e:
+        validate_config(c, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "smoke.yaml"])
+def test_shipped_configs_validate(name, data_dir):
+    c = yaml.safe_load((ROOT / "configs" / name).read_text())
+    assert c["data_dir"] == "../shared/data"
+    c["data_dir"] = str(data_dir)
+    out = validate_config(c)
+    assert out["ead"]["nested_chains"] == [[2, 4, 12], [3, 6, 12]]
+
+
+def test_unknown_key_named(cfg):
+    cfg["training"]["stepz"] = 3
+    assert "training.stepz" in _err(cfg)
+    c = copy.deepcopy(cfg)
+    c["bogus"] = 1
+    assert "'bogus'" in _err(c)
+
+
+def test_wrong_type_named(cfg):
+    cfg["training"]["steps"] = "many"
+    assert "training.steps" in _err(cfg)
+    cfg["training"]["steps"] = 0
+    assert "training.steps" in _err(cfg)
+
+
+def test_unknown_workload_and_references(cfg):
+    c = copy.deepcopy(cfg)
+    c["workloads"]["nosuch"] = {"n_prompts": 2}
+    assert "nosuch" in _err(c)
+    c = copy.deepcopy(cfg)
+    c["ead"]["models"] = ["tiny-ls", "ghost"]
+    assert "ead.models[1]" in _err(c)
+    c = copy.deepcopy(cfg)
+    c["ead"]["workloads"] = ["math500"]
+    assert "ead.workloads[0]" in _err(c)
+    c = copy.deepcopy(cfg)
+    c["ead"]["nested_chains"] = [[5, 12]]
+    assert "ead.nested_chains[0]" in _err(c)
+    c = copy.deepcopy(cfg)
+    c["ead"]["compare"] = {"baseline": "tiny-std", "treatment": "x"}
+    assert "ead.compare.treatment" in _err(c)
+
+
+def test_context_budget(cfg):
+    cfg["max_prompt_tokens"] = 10_000
+    assert "max_prompt_tokens" in _err(cfg)
+
+
+def test_missing_data_dir_and_file(cfg, tmp_path):
+    c = copy.deepcopy(cfg)
+    c["data_dir"] = str(tmp_path / "nowhere")
+    assert "data_dir" in _err(c)
+    (tmp_path / "gsm8k").mkdir()
+    c["data_dir"] = str(tmp_path)
+    msg = _err(c)
+    assert "workloads." in msg and str(tmp_path) in msg
+
+
+def test_missing_pretrained_model_dir(cfg, tmp_path):
+    cfg["models"]["big"] = {"kind": "pretrained", "path": str(tmp_path / "llama")}
+    msg = _err(cfg)
+    assert "models.big.path" in msg
+    del cfg["models"]["big"]["path"]
+    assert "path" in _err(cfg, check_paths=False)
+
+
+def test_yaml_errors(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "none.yaml")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import sys
 from pathlib import Path
@@ -258,7 +259,13 @@ def cmd_report(args) -> None:
         "Validation loss of the intermediate readout per depth": fd / "loss_by_depth.png",
     }
     figs = {k: v for k, v in figs.items() if v.is_file()}
-    build_report(args.out, tables_dir=td, figures=figs, provenance=prov, config_name=args.config_name,
+    names = []
+    for c in args.config_name.split():
+        try:
+            names.append(os.path.relpath(c) if Path(c).resolve().is_relative_to(Path.cwd()) else c)
+        except ValueError:
+            names.append(c)
+    build_report(args.out, tables_dir=td, figures=figs, provenance=prov, config_name=" ".join(names),
                  prompt_errors=prov.get("prompt_errors", 0))
     print(f"report: {args.out}")
 

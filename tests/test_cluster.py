@@ -108,45 +108,41 @@ def test_profile_dry_run(workdir, extra):
             assert "gres=" not in body, (rule, body)
 
 
-@pytest.mark.parametrize("path", PAPER_CONFIGS, ids=lambda p: p.name)
-def test_paper_config_dry_run(workdir, tmp_path, path):
-    """Each paper config plans its EAD/AR jobs once the model paths exist (stub HF directories)."""
-    raw = yaml.safe_load(path.read_text())
-    for name, m in raw["models"].items():
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text("{}")
-        m["path"] = str(d)
-    cfg_file = tmp_path / path.name
-    cfg_file.write_text(yaml.safe_dump(raw))
-    p = _run(workdir, "--profile", "profiles/slurm", "-n", "--configfile", str(cfg_file))
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
-    n = len(raw["ead"]["models"]) * len(raw["ead"]["workloads"])
-    for rule in ("measure_ead", "ar_bench"):
-        assert re.search(rf"^{rule}\s+{n}$", out, re.M), f"{rule}: expected {n} jobs"
-    assert not re.search(r"^(train_model|tokenizer|corpus)\s", out, re.M)
+DRY_RUN_CONFIGS = ("dex.yaml", "dex-llama2-70b.yaml")  # the commands in Snakefile and the profile README
+
+
+def test_paper_configs_dry_run(workdir, tmp_path):
+    """Paper configs plan their EAD/AR jobs once the model paths exist (stub HF directories). Two
+    configs only, run in parallel (--nolock; each has its own results_dir), to keep this file fast;
+    the others differ only in values the schema test covers."""
+    procs = {}
+    for path in (ROOT / "configs" / "paper" / n for n in DRY_RUN_CONFIGS):
+        raw = yaml.safe_load(path.read_text())
+        for name, m in raw["models"].items():
+            d = tmp_path / path.stem / name
+            d.mkdir(parents=True)
+            (d / "config.json").write_text("{}")
+            m["path"] = str(d)
+        cfg_file = tmp_path / path.name
+        cfg_file.write_text(yaml.safe_dump(raw))
+        cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "-n", "--nolock",
+               "--configfile", str(cfg_file)]
+        procs[path.name] = (raw, subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.STDOUT, text=True))
+    for name, (raw, p) in procs.items():
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, (name, out[-4000:])
+        n = len(raw["ead"]["models"]) * len(raw["ead"]["workloads"])
+        for rule in ("measure_ead", "ar_bench"):
+            assert re.search(rf"^{rule}\s+{n}$", out, re.M), f"{name}: {rule}: expected {n} jobs"
+        assert not re.search(r"^(train_model|tokenizer|corpus)\s", out, re.M), name
 
 
 # --- lint -----------------------------------------------------------------------------------------
-
-# Lints that `snakemake --lint` reports for workflows/*.smk at the time of writing (those files are
-# maintained elsewhere); anything else fails this test.
-KNOWN_LINTS = (
-    r"Specify a conda environment or container for each rule\.",
-    r"Shell command directly uses variable (PY|CONFIG_ARG|TABLES|FIGURES) from outside of the rule",
-)
 
 
 def test_lint(workdir):
     p = _run(workdir, "--lint")
     out = p.stdout + p.stderr
-    if p.returncode == 0:
-        return
-    assert p.returncode == 1 and "Lints for" in out, out[-4000:]
-    bullets = re.findall(r"^\s+\* (.+?):?$", out, re.M)
-    assert bullets, out[-4000:]
-    unknown = sorted({b for b in bullets if not any(re.fullmatch(k, b) for k in KNOWN_LINTS)})
-    assert not unknown, f"new lint messages: {unknown}"
-    pytest.xfail(f"snakemake --lint exits 1 with {len(bullets)} known lints in workflows/*.smk: "
-                 + "; ".join(sorted(set(bullets))))
+    assert p.returncode == 0, out[-4000:]
+    assert "Congratulations" in out

@@ -2,12 +2,16 @@
 
 
 rule measure_ead:
+    conda:
+        "../env.yaml"
     input:
         prompts=rules.workload_tokens.output,
         model=model_path,
     output:
         f"{RESULTS}/ead/{{model}}/{{suite}}.jsonl",
     params:
+        py=PY,
+        cfg=CONFIG_ARG,
         sig=sig("ead", "device", "dtype"),
     threads: CFG["threads"]
     log:
@@ -16,17 +20,21 @@ rule measure_ead:
         mem_mb=8000,
         runtime=120,
     shell:
-        "{PY} -m impl ead {CONFIG_ARG} --quiet --model {wildcards.model} --model-dir {input.model} "
+        "{params.py} -m impl ead {params.cfg} --quiet --model {wildcards.model} --model-dir {input.model} "
         "--prompts {input.prompts} --out {output} 2> {log}"
 
 
 rule ar_bench:
+    conda:
+        "../env.yaml"
     input:
         prompts=rules.workload_tokens.output,
         model=model_path,
     output:
         f"{RESULTS}/ar/{{model}}/{{suite}}.jsonl",
     params:
+        py=PY,
+        cfg=CONFIG_ARG,
         sig=sig("ar_bench", "device", "dtype", stop=CFG["ead"]["stop_at_eos"]),
     threads: CFG["threads"]
     log:
@@ -35,5 +43,5 @@ rule ar_bench:
         mem_mb=8000,
         runtime=120,
     shell:
-        "{PY} -m impl ar-bench {CONFIG_ARG} --quiet --model {wildcards.model} --model-dir {input.model} "
+        "{params.py} -m impl ar-bench {params.cfg} --quiet --model {wildcards.model} --model-dir {input.model} "
         "--prompts {input.prompts} --out {output} 2> {log}"

@@ -2,9 +2,13 @@
 
 
 rule tokenizer:
+    conda:
+        "../env.yaml"
     output:
         directory(f"{MODELS}/tokenizer"),
     params:
+        py=PY,
+        cfg=CONFIG_ARG,
         sig=sig("data_dir", "corpus", "tokenizer"),
     log:
         f"{LOGS}/tokenizer.log",
@@ -12,15 +16,19 @@ rule tokenizer:
         mem_mb=4000,
         runtime=20,
     shell:
-        "{PY} -m impl tokenizer {CONFIG_ARG} --out {output} 2> {log}"
+        "{params.py} -m impl tokenizer {params.cfg} --out {output} 2> {log}"
 
 
 rule corpus:
+    conda:
+        "../env.yaml"
     input:
         tok=rules.tokenizer.output,
     output:
         directory(f"{MODELS}/corpus"),
     params:
+        py=PY,
+        cfg=CONFIG_ARG,
         sig=sig("data_dir", "corpus"),
     log:
         f"{LOGS}/corpus.log",
@@ -28,10 +36,12 @@ rule corpus:
         mem_mb=8000,
         runtime=30,
     shell:
-        "{PY} -m impl corpus {CONFIG_ARG} --tokenizer {input.tok} --out {output} 2> {log}"
+        "{params.py} -m impl corpus {params.cfg} --tokenizer {input.tok} --out {output} 2> {log}"
 
 
 rule train_model:
+    conda:
+        "../env.yaml"
     input:
         tok=rules.tokenizer.output,
         corpus=rules.corpus.output,
@@ -39,6 +49,8 @@ rule train_model:
         model=directory(f"{MODELS}/{{model}}"),
         summary=f"{RESULTS}/train/{{model}}.json",
     params:
+        py=PY,
+        cfg=CONFIG_ARG,
         sig=lambda w: sig("tiny_arch", "training", "seed", model=CFG["models"][w.model]),
     threads: CFG["threads"]
     log:
@@ -47,5 +59,5 @@ rule train_model:
         mem_mb=8000,
         runtime=240,
     shell:
-        "{PY} -m impl train {CONFIG_ARG} --quiet --model {wildcards.model} --tokenizer {input.tok} "
+        "{params.py} -m impl train {params.cfg} --quiet --model {wildcards.model} --tokenizer {input.tok} "
         "--corpus {input.corpus} --out {output.model} --summary {output.summary} 2> {log}"

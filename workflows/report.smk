@@ -7,6 +7,8 @@ FIGURE_NAMES = ["ead_hist", "s_x_vs_k", "selection"] + (["loss_by_depth"] if TIN
 
 
 rule tables:
+    conda:
+        "../env.yaml"
     input:
         ead=expand(f"{RESULTS}/ead/{{model}}/{{suite}}.jsonl", model=EAD_MODELS, suite=EAD_WORKLOADS),
         ar=expand(f"{RESULTS}/ar/{{model}}/{{suite}}.jsonl", model=EAD_MODELS, suite=EAD_WORKLOADS),
@@ -15,35 +17,50 @@ rule tables:
         expand(f"{TABLES}/{{name}}.{{ext}}", name=TABLE_NAMES, ext=["csv", "md"]),
         prov=f"{TABLES}/provenance.json",
     params:
+        py=PY,
+        cfg=CONFIG_ARG,
+        tables=lambda w, output: os.path.dirname(output.prov),
         sig=sig("ead"),
     log:
         f"{LOGS}/tables.log",
     shell:
-        "{PY} -m impl tables {CONFIG_ARG} --ead {input.ead} --ar {input.ar} --train {input.train} "
-        "--out-dir {TABLES} 2> {log}"
+        "{params.py} -m impl tables {params.cfg} --ead {input.ead} --ar {input.ar} --train {input.train} "
+        "--out-dir {params.tables} 2> {log}"
 
 
 rule figures:
+    conda:
+        "../env.yaml"
     input:
-        rules.tables.output,
+        prov=rules.tables.output.prov,
     output:
         expand(f"{FIGURES}/{{name}}.png", name=FIGURE_NAMES),
+    params:
+        py=PY,
+        tables=lambda w, input: os.path.dirname(input.prov),
+        figures=lambda w, output: os.path.dirname(output[0]),
     log:
         f"{LOGS}/figures.log",
     shell:
-        "{PY} -m impl figures --tables-dir {TABLES} --out-dir {FIGURES} 2> {log}"
+        "{params.py} -m impl figures --tables-dir {params.tables} --out-dir {params.figures} 2> {log}"
 
 
 rule report:
+    conda:
+        "../env.yaml"
     input:
         rules.tables.output,
-        rules.figures.output,
+        prov=rules.tables.output.prov,
+        figs=rules.figures.output,
     output:
         REPORT,
     params:
+        py=PY,
+        tables=lambda w, input: os.path.dirname(input.prov),
+        figures=lambda w, input: os.path.dirname(input.figs[0]),
         configs=" ".join(map(str, workflow.configfiles)) or "configs/default.yaml",
     log:
         f"{LOGS}/report.log",
     shell:
-        "{PY} -m impl report --tables-dir {TABLES} --figures-dir {FIGURES} --out {output} "
+        "{params.py} -m impl report --tables-dir {params.tables} --figures-dir {params.figures} --out {output} "
         "--config-name {params.configs:q} 2> {log}"

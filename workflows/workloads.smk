@@ -2,26 +2,34 @@
 
 
 rule workload_text:
+    conda:
+        "../env.yaml"
     output:
         f"{RESULTS}/workloads/text/{{suite}}.jsonl",
     params:
+        py=PY,
+        cfg=CONFIG_ARG,
         sig=lambda w: sig("data_dir", "seed", suite=CFG["workloads"][w.suite]),
     log:
         f"{LOGS}/workloads/{{suite}}.log",
     shell:
-        "{PY} -m impl workload {CONFIG_ARG} --suite {wildcards.suite} --out {output} 2> {log}"
+        "{params.py} -m impl workload {params.cfg} --suite {wildcards.suite} --out {output} 2> {log}"
 
 
 rule workload_tokens:
+    conda:
+        "../env.yaml"
     input:
         prompts=rules.workload_text.output,
         model=model_path,
     output:
         f"{RESULTS}/workloads/{{model}}/{{suite}}.jsonl",
     params:
+        py=PY,
+        cfg=CONFIG_ARG,
         sig=sig("max_prompt_tokens", "overlong_prompt"),
     log:
         f"{LOGS}/workloads/{{model}}/{{suite}}.log",
     shell:
-        "{PY} -m impl tokenize {CONFIG_ARG} --model-dir {input.model} --prompts {input.prompts} "
+        "{params.py} -m impl tokenize {params.cfg} --model-dir {input.model} --prompts {input.prompts} "
         "--out {output} 2> {log}"

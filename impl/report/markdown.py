@@ -70,9 +70,11 @@ def build_report(
     if ar["ids_equal_ead_run"].notna().any():
         ok = bool(ar["ids_equal_ead_run"].dropna().astype(bool).all())
         lines.append(f"- AR benchmark ids equal the EAD run's ids: **{'PASS' if ok else 'FAIL'}**")
-    mono = bool(chains["monotone"].all())
+    applicable = chains["monotone"].dropna().astype(bool)
+    mono = bool(applicable.all()) and len(applicable) > 0
     lines.append(f"- S_X rises along every nested chain toward S_EAD (Prop. 7): **{'PASS' if mono else 'FAIL'}** "
-                 f"({int(chains['monotone'].sum())}/{len(chains)} chains)")
+                 f"({int(applicable.sum())}/{len(applicable)} chains"
+                 f"{f'; {len(chains) - len(applicable)} not applicable' if len(applicable) < len(chains) else ''})")
     beats = bool((training["val_loss"] < training["unigram_baseline"]).all())
     lines.append(f"- every model's validation loss is below the unigram baseline: **{'PASS' if beats else 'FAIL'}**")
     if paired is not None and len(paired):

@@ -75,6 +75,10 @@ def ead_tables(rows: list[dict], num_speculations: Iterable[int], nested_chains:
             sx.append({**key, **r, "exploration_set": " ".join(map(str, r["exploration_set"]))})
         by_k = {r["K"]: r["s_x"] for r in sxr}
         for chain in nested_chains:
+            if any(k not in by_k for k in chain):  # some K does not divide this model's L
+                chains.append({**key, "chain_K": " < ".join(map(str, chain)), "s_x": "n/a (K must divide L)",
+                               "s_ead": s["s_ead"], "monotone": None})
+                continue
             vals = [by_k[k] for k in chain]
             chains.append({**key, "chain_K": " < ".join(map(str, chain)),
                            "s_x": " <= ".join(f"{v:.4f}" for v in vals), "s_ead": s["s_ead"],

@@ -59,7 +59,14 @@ SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {
                 "sources": {"type": "array", "items": {"enum": list(SOURCES)}, "minItems": 1, "uniqueItems": True},
-                "max_chars_per_source": {"type": "integer", "minimum": 1000},
+                "max_chars_per_source": {
+                    "description": "character budget: one int for every source, or a mapping source -> int",
+                    "oneOf": [
+                        {"type": "integer", "minimum": 1000},
+                        {"type": "object", "propertyNames": {"enum": list(SOURCES)},
+                         "additionalProperties": {"type": "integer", "minimum": 1000}},
+                    ],
+                },
                 "val_fraction": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.5},
             },
         },
@@ -86,6 +93,7 @@ SCHEMA: dict[str, Any] = {
                 "weight_decay": {"type": "number", "minimum": 0},
                 "grad_clip": _POS_NUM,
                 "eval_windows": _POS_INT,
+                "threads": _POS_INT,
             },
         },
         "models": {
@@ -164,7 +172,7 @@ DEFAULTS: dict[str, Any] = {
     "tiny_arch": {"num_layers": 12, "hidden_size": 128, "num_heads": 4, "intermediate_size": 352,
                   "max_position_embeddings": 1024},
     "training": {"steps": 800, "batch_size": 8, "seq_len": 256, "lr": 3e-3, "warmup_steps": 50,
-                 "weight_decay": 0.1, "grad_clip": 1.0, "eval_windows": 64},
+                 "weight_decay": 0.1, "grad_clip": 1.0, "eval_windows": 64, "threads": 2},
     "max_prompt_tokens": 512,
     "overlong_prompt": "truncate_left",
     "ar_bench": {"max_new_tokens": 64, "warmup_prompts": 2, "repetitions": 1},
@@ -322,7 +330,7 @@ def train_config(cfg: dict[str, Any], name: str):
     from .models.train import EarlyExit, TrainConfig
 
     ee = cfg["models"][name].get("early_exit", {"enabled": False})
-    return TrainConfig(**cfg["training"], seed=cfg["seed"], threads=cfg["threads"], early_exit=EarlyExit(**ee))
+    return TrainConfig(**cfg["training"], seed=cfg["seed"], early_exit=EarlyExit(**ee))
 
 
 def tiny_arch(cfg: dict[str, Any]):

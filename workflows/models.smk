@@ -52,7 +52,7 @@ rule train_model:
         py=PY,
         cfg=CONFIG_ARG,
         sig=lambda w: sig("tiny_arch", "training", "seed", model=CFG["models"][w.model]),
-    threads: CFG["threads"]
+    threads: CFG["training"]["threads"]
     log:
         f"{LOGS}/train/{{model}}.log",
     resources:

@@ -52,12 +52,21 @@ def ead_summary(rows: list[dict]) -> dict[str, Any]:
     Returns:
         dict with L, n_prompts, n_tokens, mean_ead, mean_stable_ead (micro), macro_mean_stable_ead
         (mean over prompts of the per-prompt mean), s_ead (stable, micro), s_ead_unstable,
-        hist (counts of stable EAD at depths 1..L), ar_match (all prompts equal AR).
+        hist (counts of stable EAD at depths 1..L), ar_match (all prompts equal AR), distinct_2
+        (mean over prompts of distinct token bigrams / bigrams of the generated text: near 0 means
+        the model loops, which makes EAD trivially shallow for both compared models).
     """
     L = num_layers_of(rows)
     se = np.array([r["stable_ead"] for r in rows])
     e = np.array([r["ead"] for r in rows])
-    per_prompt = [np.mean([r["stable_ead"] for r in v]) for v in _by_prompt(rows).values()]
+    prompts = _by_prompt(rows).values()
+    per_prompt = [np.mean([r["stable_ead"] for r in v]) for v in prompts]
+    distinct = []
+    for v in prompts:
+        ids = [r["token_id"] for r in v]
+        bigrams = list(zip(ids, ids[1:]))
+        if bigrams:
+            distinct.append(len(set(bigrams)) / len(bigrams))
     return {
         "L": L,
         "n_prompts": len(per_prompt),
@@ -69,6 +78,7 @@ def ead_summary(rows: list[dict]) -> dict[str, Any]:
         "s_ead_unstable": s_ead(e, L),
         "hist": np.bincount(se, minlength=L + 1)[1:].tolist(),
         "ar_match": all(r["ar_match"] for r in rows),
+        "distinct_2": float(np.mean(distinct)) if distinct else float("nan"),
     }
 
 

@@ -20,19 +20,25 @@ RESULTS = CFG["results_dir"]
 FIGURES = CFG["figures_dir"]
 MODELS = CFG["models_dir"]
 LOGS = CFG["logs_dir"]
-PY = sys.executable
+# Jobs run `python -m impl ...` with the interpreter that runs Snakemake (its bin dir first on PATH).
+envvars:
+    "PATH",
 
-# The validated config (with --config overrides and defaults) is handed to every command as a file
-# named by its hash (written once, never overwritten, so concurrent invocations cannot race); rules
-# re-run when the config sections they use change (their `sig` param), not on any edit.
-EFFECTIVE_CONFIG = Path(RESULTS) / ".config" / f"{config_hash(CFG)}.json"
+
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+# The validated config (with --config overrides and defaults) is handed to every command as one file
+# at a fixed path (so the shell command and params stay the same across config edits); rules re-run
+# when the config sections they use change (their `sig` param), not on every edit. A dry run does
+# not write it.
+EFFECTIVE_CONFIG = f"{RESULTS}/.config/effective.json"
 _text = json.dumps(CFG, indent=2, sort_keys=True)
-if not EFFECTIVE_CONFIG.is_file():
-    EFFECTIVE_CONFIG.parent.mkdir(parents=True, exist_ok=True)
-    _tmp = EFFECTIVE_CONFIG.with_suffix(f".{os.getpid()}.tmp")
+_eff = Path(EFFECTIVE_CONFIG)
+if not workflow.dryrun and (not _eff.is_file() or _eff.read_text() != _text):
+    _eff.parent.mkdir(parents=True, exist_ok=True)
+    _tmp = _eff.with_suffix(f".{os.getpid()}.tmp")
     _tmp.write_text(_text)
-    _tmp.replace(EFFECTIVE_CONFIG)
-CONFIG_ARG = f"--config-json @{EFFECTIVE_CONFIG}"
+    _tmp.replace(_eff)
 
 
 def sig(*keys, **extra):

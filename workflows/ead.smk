@@ -10,8 +10,7 @@ rule measure_ead:
     output:
         f"{RESULTS}/ead/{{model}}/{{suite}}.jsonl",
     params:
-        py=PY,
-        cfg=CONFIG_ARG,
+        cfg=EFFECTIVE_CONFIG,
         sig=sig("ead", "device", "dtype"),
     threads: CFG["threads"]
     log:
@@ -20,7 +19,7 @@ rule measure_ead:
         mem_mb=8000,
         runtime=120,
     shell:
-        "{params.py} -m impl ead {params.cfg} --quiet --model {wildcards.model} --model-dir {input.model} "
+        "python -m impl ead --config-json @{params.cfg} --quiet --model {wildcards.model} --model-dir {input.model} "
         "--prompts {input.prompts} --out {output} 2> {log}"
 
 
@@ -33,8 +32,7 @@ rule ar_bench:
     output:
         f"{RESULTS}/ar/{{model}}/{{suite}}.jsonl",
     params:
-        py=PY,
-        cfg=CONFIG_ARG,
+        cfg=EFFECTIVE_CONFIG,
         sig=sig("ar_bench", "device", "dtype", stop=CFG["ead"]["stop_at_eos"]),
     threads: CFG["threads"]
     log:
@@ -43,5 +41,5 @@ rule ar_bench:
         mem_mb=8000,
         runtime=120,
     shell:
-        "{params.py} -m impl ar-bench {params.cfg} --quiet --model {wildcards.model} --model-dir {input.model} "
+        "python -m impl ar-bench --config-json @{params.cfg} --quiet --model {wildcards.model} --model-dir {input.model} "
         "--prompts {input.prompts} --out {output} 2> {log}"

@@ -7,8 +7,7 @@ rule tokenizer:
     output:
         directory(f"{MODELS}/tokenizer"),
     params:
-        py=PY,
-        cfg=CONFIG_ARG,
+        cfg=EFFECTIVE_CONFIG,
         sig=sig("data_dir", "corpus", "tokenizer"),
     log:
         f"{LOGS}/tokenizer.log",
@@ -16,7 +15,7 @@ rule tokenizer:
         mem_mb=4000,
         runtime=20,
     shell:
-        "{params.py} -m impl tokenizer {params.cfg} --out {output} 2> {log}"
+        "python -m impl tokenizer --config-json @{params.cfg} --out {output} 2> {log}"
 
 
 rule corpus:
@@ -27,8 +26,7 @@ rule corpus:
     output:
         directory(f"{MODELS}/corpus"),
     params:
-        py=PY,
-        cfg=CONFIG_ARG,
+        cfg=EFFECTIVE_CONFIG,
         sig=sig("data_dir", "corpus"),
     log:
         f"{LOGS}/corpus.log",
@@ -36,7 +34,7 @@ rule corpus:
         mem_mb=8000,
         runtime=30,
     shell:
-        "{params.py} -m impl corpus {params.cfg} --tokenizer {input.tok} --out {output} 2> {log}"
+        "python -m impl corpus --config-json @{params.cfg} --tokenizer {input.tok} --out {output} 2> {log}"
 
 
 rule train_model:
@@ -49,8 +47,7 @@ rule train_model:
         model=directory(f"{MODELS}/{{model}}"),
         summary=f"{RESULTS}/train/{{model}}.json",
     params:
-        py=PY,
-        cfg=CONFIG_ARG,
+        cfg=EFFECTIVE_CONFIG,
         sig=lambda w: sig("tiny_arch", "training", "seed", model=CFG["models"][w.model]),
     threads: CFG["training"]["threads"]
     log:
@@ -59,5 +56,5 @@ rule train_model:
         mem_mb=8000,
         runtime=240,
     shell:
-        "{params.py} -m impl train {params.cfg} --quiet --model {wildcards.model} --tokenizer {input.tok} "
+        "python -m impl train --config-json @{params.cfg} --quiet --model {wildcards.model} --tokenizer {input.tok} "
         "--corpus {input.corpus} --out {output.model} --summary {output.summary} 2> {log}"

@@ -17,14 +17,13 @@ rule tables:
         expand(f"{TABLES}/{{name}}.{{ext}}", name=TABLE_NAMES, ext=["csv", "md"]),
         prov=f"{TABLES}/provenance.json",
     params:
-        py=PY,
-        cfg=CONFIG_ARG,
+        cfg=EFFECTIVE_CONFIG,
         tables=lambda w, output: os.path.dirname(output.prov),
         sig=sig("ead"),
     log:
         f"{LOGS}/tables.log",
     shell:
-        "{params.py} -m impl tables {params.cfg} --ead {input.ead} --ar {input.ar} --train {input.train} "
+        "python -m impl tables --config-json @{params.cfg} --ead {input.ead} --ar {input.ar} --train {input.train} "
         "--out-dir {params.tables} 2> {log}"
 
 
@@ -36,13 +35,12 @@ rule figures:
     output:
         expand(f"{FIGURES}/{{name}}.png", name=FIGURE_NAMES),
     params:
-        py=PY,
         tables=lambda w, input: os.path.dirname(input.prov),
         figures=lambda w, output: os.path.dirname(output[0]),
     log:
         f"{LOGS}/figures.log",
     shell:
-        "{params.py} -m impl figures --tables-dir {params.tables} --out-dir {params.figures} 2> {log}"
+        "python -m impl figures --tables-dir {params.tables} --out-dir {params.figures} 2> {log}"
 
 
 rule report:
@@ -55,12 +53,11 @@ rule report:
     output:
         REPORT,
     params:
-        py=PY,
         tables=lambda w, input: os.path.dirname(input.prov),
         figures=lambda w, input: os.path.dirname(input.figs[0]),
         configs=" ".join(map(str, workflow.configfiles)) or "configs/default.yaml",
     log:
         f"{LOGS}/report.log",
     shell:
-        "{params.py} -m impl report --tables-dir {params.tables} --figures-dir {params.figures} --out {output} "
+        "python -m impl report --tables-dir {params.tables} --figures-dir {params.figures} --out {output} "
         "--config-name {params.configs:q} 2> {log}"

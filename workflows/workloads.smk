@@ -7,13 +7,12 @@ rule workload_text:
     output:
         f"{RESULTS}/workloads/text/{{suite}}.jsonl",
     params:
-        py=PY,
-        cfg=CONFIG_ARG,
+        cfg=EFFECTIVE_CONFIG,
         sig=lambda w: sig("data_dir", "seed", suite=CFG["workloads"][w.suite]),
     log:
         f"{LOGS}/workloads/{{suite}}.log",
     shell:
-        "{params.py} -m impl workload {params.cfg} --suite {wildcards.suite} --out {output} 2> {log}"
+        "python -m impl workload --config-json @{params.cfg} --suite {wildcards.suite} --out {output} 2> {log}"
 
 
 rule workload_tokens:
@@ -25,11 +24,10 @@ rule workload_tokens:
     output:
         f"{RESULTS}/workloads/{{model}}/{{suite}}.jsonl",
     params:
-        py=PY,
-        cfg=CONFIG_ARG,
+        cfg=EFFECTIVE_CONFIG,
         sig=sig("max_prompt_tokens", "overlong_prompt"),
     log:
         f"{LOGS}/workloads/{{model}}/{{suite}}.log",
     shell:
-        "{params.py} -m impl tokenize {params.cfg} --model-dir {input.model} --prompts {input.prompts} "
+        "python -m impl tokenize --config-json @{params.cfg} --model-dir {input.model} --prompts {input.prompts} "
         "--out {output} 2> {log}"

@@ -16,8 +16,9 @@ if not DATA_DIR.is_dir():
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    """A seeded random 12-layer Llama (hidden 32, vocab 97) in eval mode. Random weights make
-    intermediate candidates disagree often, which exercises every branch of the EAD code."""
+    """A seeded random 12-layer Llama (hidden 32, vocab 97) in eval mode, initialised wide
+    (std 0.2, MLP outputs x4) so that candidates at different depths disagree often and greedy
+    outputs do not loop: every branch of the EAD and DEX code gets exercised."""
     from impl.models.tiny import TinyArch
 
     torch.manual_seed(0)
@@ -25,11 +26,12 @@ def tiny_model():
 
     cfg = TinyArch(num_layers=12, hidden_size=32, num_heads=4, intermediate_size=64,
                    max_position_embeddings=128).to_hf_config(vocab_size=97, eos_token_id=0)
+    cfg.initializer_range = 0.2
     model = LlamaForCausalLM(cfg).eval()
     # Scale up the residual stream so that layers move the argmax (random init is too smooth).
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.mlp.down_proj.weight.mul_(8.0)
+            layer.mlp.down_proj.weight.mul_(4.0)
     return model
 
 

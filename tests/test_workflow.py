@@ -2,6 +2,7 @@
 resumes without accepting partial files, and command-line error behaviour."""
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -109,3 +110,21 @@ def test_cli_help_lists_every_rule_command():
     for cmd in ("tokenizer", "corpus", "train", "workload", "tokenize", "ead", "ar-bench", "tables", "figures",
                 "report"):
         assert cmd in r.stdout
+
+
+@pytest.mark.slow
+def test_config_edit_reruns_only_affected_rules(smoke_run, data_dir, tmp_path):
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "configs" / "smoke.yaml").read_text())
+    cfg["ead"]["max_new_tokens"] = 20
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "snakemake", "-n", "--nolock", "--configfile", str(edited), "--config",
+           f"data_dir={data_dir}", f"results_dir={smoke_run}/results", f"figures_dir={smoke_run}/figures",
+           f"models_dir={smoke_run}/models", f"logs_dir={smoke_run}/logs"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    planned = set(re.findall(r"^(?:local)?rule (\w+):", r.stdout, re.M))
+    assert "measure_ead" in planned and "report" in planned
+    assert not planned & {"tokenizer", "corpus", "train_model", "workload_text", "workload_tokens", "ar_bench"}

@@ -44,6 +44,7 @@ def ar_decode(
     eos_token_id: int | None = None,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    rule=None,
 ) -> ARResult:
     """Decode up to ``max_new_tokens`` tokens autoregressively, batch 1.
 
@@ -55,6 +56,9 @@ def ar_decode(
         temperature: 0 for greedy (argmax, ties to the lowest id); > 0 samples from
             softmax(logits / temperature) with ``generator``.
         generator: torch.Generator for sampling (required when temperature > 0).
+        rule: a :class:`impl.spec.sampling.DecodeRule`; when given it replaces temperature and
+            generator, and token i is decoded with the noise of its absolute position
+            ``len(input_ids) + i`` (the convention every lossless method shares).
 
     Returns:
         :class:`ARResult` with token ids and per-token wall times (seconds; CUDA synchronised
@@ -74,7 +78,7 @@ def ar_decode(
     if ctx is not None and len(input_ids) + max_new_tokens > ctx:
         raise ValueError(
             f"prompt of {len(input_ids)} tokens + {max_new_tokens} new tokens exceeds the context of {ctx}")
-    if temperature > 0 and generator is None:
+    if rule is None and temperature > 0 and generator is None:
         raise ValueError("sampling (temperature > 0) needs a torch.Generator")
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
@@ -84,7 +88,9 @@ def ar_decode(
         _sync(device)
         t0 = time.perf_counter()
         logits = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-        if temperature > 0:
+        if rule is not None:
+            tok = rule.decode(logits, len(input_ids) + i)
+        elif temperature > 0:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             tok = int(torch.multinomial(probs.cpu(), 1, generator=generator))
         else:

@@ -202,6 +202,40 @@ def cmd_ar_bench(args) -> None:
     log.info("%s: %d rows", args.out, len(rows))
 
 
+def cmd_decode(args) -> None:
+    import torch
+
+    from .methods import decode_prompts, parse_exploration_set
+    from .models.depth import num_layers
+    from .models.load import load_model, load_tokenizer
+    from .provenance import provenance, read_jsonl, write_jsonl
+    from .spec.sampling import DecodeRule
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model_dir)
+    tok = load_tokenizer(args.model_dir)
+    params: dict = {}
+    if args.method == "dex":
+        try:
+            params = {"exploration_set": parse_exploration_set(args.exploration_set, args.explorers,
+                                                               num_layers(model)),
+                      "decs": args.decs, "single_exit": args.single_exit, "dedupe": args.dedupe}
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    rule = DecodeRule(temperature=args.temperature, seed=args.seed)
+    eos = None if args.ignore_eos else model.config.eos_token_id
+    rows = decode_prompts(model, tok, read_jsonl(args.prompts), args.method, params, rule, args.max_new_tokens,
+                          eos, progress=not args.quiet)
+    prov = provenance({"method": args.method, **{k: str(v) for k, v in params.items()}}, seed=args.seed)
+    for r in rows:
+        r.update(model_dir=str(args.model_dir), **prov)
+    write_jsonl(args.out, rows)
+    bad = [r["prompt_id"] for r in rows if r.get("ar_match") is False]
+    errs = [r["prompt_id"] for r in rows if "error" in r]
+    log.info("%s: %d rows, %d errors, %d differ from AR%s", args.out, len(rows), len(errs), len(bad),
+             f" ({bad})" if bad else "")
+
+
 def cmd_tables(args) -> None:
     from .provenance import write_json
     from .report.tables import (ar_table, best_selection, ead_tables, load_rows, paired_model_comparison,
@@ -320,6 +354,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompts", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--max-new-tokens", type=int, help="override ar_bench.max_new_tokens")
+    sp = add("decode", cmd_decode, "decode a prompt file with one method (ar, dex); each row checked against AR")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--method", required=True, choices=["ar", "dex"])
+    sp.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids or text")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--max-new-tokens", type=int, default=64)
+    sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the per-position Gumbel noise")
+    sp.add_argument("--exploration-set", help="DEX: comma-separated depths ending at L, e.g. 4,8,12")
+    sp.add_argument("--explorers", type=int, help="DEX: K for the uniform set DEX-1/K")
+    sp.add_argument("--decs", action="store_true", help="DEX: depth-coupled sampling (Algorithm 2)")
+    sp.add_argument("--single-exit", action="store_true", help="DEX ablation: branch only from d_0 and L")
+    sp.add_argument("--dedupe", action="store_true", help="DEX: reuse children of repeated candidates")
+    sp.add_argument("--ignore-eos", action="store_true")
+    sp.add_argument("--threads", type=int, default=1)
     sp = add("tables", cmd_tables, "EAD / S_X / selection / AR / training tables from raw rows")
     sp.add_argument("--ead", nargs="+", required=True, help="EAD row files")
     sp.add_argument("--ar", nargs="*", default=[], help="AR benchmark row files")

@@ -175,3 +175,23 @@ def test_sampling_distribution_chi_square(tiny_model):
         exp, obs = exp[:-1], obs[:-1]
         exp = exp * obs.sum() / exp.sum()
     assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_decode_command_rows(tmp_path, tiny_model, tiny_tokenizer):
+    """The decode command's core: per-row AR verdicts and per-row errors instead of a crash."""
+    from impl.methods import decode_prompts, parse_exploration_set
+
+    prompts = [{"id": "ok", "input_ids": PROMPTS[0]}, {"id": "empty", "text": ""},
+               {"id": "long", "input_ids": [1] * 200}, {"id": "none"}]
+    X = parse_exploration_set(None, 3, 12)
+    rows = decode_prompts(tiny_model, tiny_tokenizer, prompts, "dex", {"exploration_set": X, "decs": True},
+                          DecodeRule(), 8, None)
+    by = {r["prompt_id"]: r for r in rows}
+    assert by["ok"]["ar_match"] is True and len(by["ok"]["token_ids"]) == 8
+    assert by["ok"]["rounds"][0] == 3
+    assert {"empty", "long", "none"} <= {k for k, r in by.items() if "error" in r}
+    with pytest.raises(ValueError):
+        parse_exploration_set("4,x", None, 12)
+    with pytest.raises(ValueError):
+        parse_exploration_set(None, 5, 12)
+    assert parse_exploration_set("6,12", None, 12) == (6, 12)

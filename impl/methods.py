@@ -1,0 +1,125 @@
+"""Decoding methods behind one interface, for the ``decode`` command and the experiment rules.
+
+Each method is built from a model and its parameters and decodes one prompt into a result row:
+token ids, per-token metrics and timings. :func:`decode_prompts` runs a method over a prompt file
+and checks every output against AR under the same decoding rule, writing the verdict into the rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any, Callable
+
+from .spec.ar import ar_decode
+from .spec.sampling import DecodeRule
+
+METHODS = ("ar", "dex")
+
+
+def parse_exploration_set(text: str | None, explorers: int | None, L: int) -> tuple[int, ...]:
+    """Exploration set from ``"4,8,12"`` or a uniform DEX-1/K set from ``explorers``.
+
+    Raises:
+        ValueError: both or neither given, a malformed list, or an invalid set / K (see
+            :func:`impl.ead.accounting.validate_exploration_set`).
+    """
+    from .ead.accounting import uniform_exploration_set, validate_exploration_set
+
+    if (text is None) == (explorers is None):
+        raise ValueError("give exactly one of an exploration set (e.g. 4,8,12) or a number of explorers K")
+    if explorers is not None:
+        return uniform_exploration_set(L, explorers)
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"exploration set {text!r} is not a comma-separated list of depths") from None
+    return validate_exploration_set(xs, L)
+
+
+def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any]) -> Callable[[list[int], int, int | None], dict]:
+    """A function ``(input_ids, max_new_tokens, eos_token_id) -> row fields`` for method ``name``.
+
+    Params (DEX): ``exploration_set`` (tuple of depths), ``decs`` (bool), ``single_exit`` (bool),
+    ``dedupe`` (bool).
+
+    Raises:
+        ValueError: unknown method or parameters.
+    """
+    if name == "ar":
+        def run_ar(ids, n, eos):
+            t0 = time.perf_counter()
+            r = ar_decode(model, ids, n, eos_token_id=eos, rule=rule)
+            return {"token_ids": r.tokens, "seconds": time.perf_counter() - t0,
+                    "stopped_at_eos": r.stopped_at_eos}
+        return run_ar
+    if name == "dex":
+        from .dex import DEXDecoder, ReferenceExecutor
+
+        X = tuple(params["exploration_set"])
+        K = len(X)
+        branch = {0, K - 1} if params.get("single_exit") else None
+
+        def run_dex(ids, n, eos):
+            ex = ReferenceExecutor(model, X, rule=rule)
+            dec = DEXDecoder(ex, decs=bool(params.get("decs")), branch_stages=branch,
+                             dedupe=bool(params.get("dedupe")))
+            t0 = time.perf_counter()
+            r = dec.decode(ids, n, eos_token_id=eos)
+            return {
+                "token_ids": r.tokens,
+                "seconds": time.perf_counter() - t0,
+                "stopped_at_eos": r.stopped_at_eos,
+                "critical_path_seconds": r.critical_path_seconds,
+                "sequential_seconds": r.sequential_seconds,
+                "profile": r.profile,
+                "rounds": [m.rounds for m in r.metrics],
+                "match_index": [m.match_index for m in r.metrics],
+                "match_depth": [m.match_depth for m in r.metrics],
+                "critical_layers": [m.critical_layers for m in r.metrics],
+                "max_lattice": [max(m.lattice_sizes) for m in r.metrics],
+                "etks": [m.etks for m in r.metrics],
+                "exploration_set": list(X),
+            }
+        return run_dex
+    raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+
+
+def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: dict, rule: DecodeRule,
+                   max_new_tokens: int, eos_token_id: int | None, *, check_ar: bool = True,
+                   progress: bool = False) -> list[dict]:
+    """Decode every prompt row with ``method``; rows carry ``id`` and ``input_ids`` or ``text``.
+
+    Returns one row per prompt with the method's fields, ``n_new_tokens`` and ``ar_match`` (the ids
+    equal AR's under the same rule; None when ``check_ar`` is False). A prompt that is empty, has
+    neither ``input_ids`` nor ``text``, or does not fit the context yields a row with ``error``.
+    """
+    from tqdm import tqdm
+
+    run = build_method(method, model, rule, params)
+    rows = []
+    for p in tqdm(prompts, desc=method, disable=not progress, mininterval=5):
+        base = {"prompt_id": p.get("id"), "suite": p.get("suite"), "method": method,
+                "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in params.items()},
+                "temperature": rule.temperature, "seed": rule.seed, "max_new_tokens": max_new_tokens}
+        ids = p.get("input_ids")
+        if ids is None and isinstance(p.get("text"), str):
+            ids = tokenizer(p["text"], add_special_tokens=False)["input_ids"]
+            if ids and tokenizer.bos_token_id is not None:
+                ids = [tokenizer.bos_token_id] + ids
+        if not ids:
+            rows.append({**base, "error": "empty prompt (no input_ids and no non-empty text)"})
+            continue
+        try:
+            out = run(list(ids), max_new_tokens, eos_token_id)
+            ref = ar_decode(model, list(ids), max_new_tokens, eos_token_id=eos_token_id, rule=rule).tokens \
+                if check_ar and method != "ar" else None
+        except ValueError as e:
+            rows.append({**base, "error": str(e)})
+            continue
+        rows.append({**base, **out, "n_prompt_tokens": len(ids), "n_new_tokens": len(out["token_ids"]),
+                     "ar_match": (out["token_ids"] == ref) if ref is not None else (True if method == "ar" else None)})
+    return rows
+
+
+__all__ = ["METHODS", "build_method", "decode_prompts", "parse_exploration_set", "asdict"]

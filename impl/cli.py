@@ -165,6 +165,30 @@ def cmd_ead(args) -> None:
              args.out, len(rows), len(prompts) - len(errors), len(errors), bad)
 
 
+def cmd_ead_shared(args) -> None:
+    from .ead.shared import shared_rows
+    from .provenance import provenance, read_jsonl, write_jsonl
+
+    cfg = _config(args)
+    _threads(cfg)
+    if len(args.models) != len(args.model_dirs) or len(args.models) != len(args.ead):
+        raise SystemExit("error: --models, --model-dirs and --ead need one entry per model")
+    models = {m: _load(cfg, d) for m, d in zip(args.models, args.model_dirs)}
+    if len({m.config.vocab_size for m in models.values()}) != 1:
+        raise SystemExit("error: shared-context EAD needs models with one tokenizer; vocab sizes differ: "
+                         + ", ".join(f"{n}={m.config.vocab_size}" for n, m in models.items()))
+    gens: dict = {}
+    for m, f in zip(args.models, args.ead):
+        for r in sorted((r for r in read_jsonl(f) if "error" not in r), key=lambda r: r["t"]):
+            gens.setdefault((m, r["prompt_id"]), []).append(r["token_id"])
+    rows = shared_rows(models, read_jsonl(args.prompts), gens)
+    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    for r in rows:
+        r.update(**prov)
+    write_jsonl(args.out, rows)
+    log.info("%s: %d rows", args.out, len(rows))
+
+
 def cmd_ar_bench(args) -> None:
     import torch
 
@@ -259,6 +283,11 @@ def cmd_tables(args) -> None:
     if comp:
         write_table(paired_model_comparison(ead, comp["baseline"], comp["treatment"]), out / "ls_vs_std")
     write_table(ar_table(ar, ead), out / "ar_throughput")
+    if comp and args.shared:
+        from .report.tables import shared_tables
+
+        for name, df in shared_tables(load_rows(args.shared), comp["baseline"], comp["treatment"]).items():
+            write_table(df, out / name)
     keys = ("git_sha", "git_dirty", "config_hash", "device", "dtype", "torch_version", "transformers_version",
             "python_version")
     prov = {k: ead[0].get(k) for k in keys} if ead else {}
@@ -277,6 +306,8 @@ def cmd_figures(args) -> None:
     F.ead_histograms(read("ead_hist"), read("ead_summary"), fd / "ead_hist.png")
     F.s_x_vs_k(read("s_x"), fd / "s_x_vs_k.png")
     F.selection_curves(read("selection"), read("s_x"), fd / "selection.png")
+    shared = read("ead_shared_summary") if (td / "ead_shared_summary.csv").is_file() else None
+    F.ead_means(read("ead_summary"), shared, fd / "ead_means.png")
     if (td / "val_loss_by_depth.csv").is_file():
         F.loss_by_depth(read("val_loss_by_depth"), read("training"), fd / "loss_by_depth.png")
 
@@ -288,6 +319,7 @@ def cmd_report(args) -> None:
     prov = json.loads((td / "provenance.json").read_text())
     figs = {
         "Stable EAD distribution per model and workload (DEX Fig. 6 shape)": fd / "ead_hist.png",
+        "Mean stable EAD per workload: own generations and shared contexts": fd / "ead_means.png",
         "S_X vs K with the S_EAD oracle (Prop. 7)": fd / "s_x_vs_k.png",
         "Single-exit selection vs exit depth (Eq. 4)": fd / "selection.png",
         "Validation loss of the intermediate readout per depth": fd / "loss_by_depth.png",
@@ -348,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompts", required=True, help="token-id JSONL (rows: id, input_ids)")
     sp.add_argument("--out", required=True)
     sp.add_argument("--max-new-tokens", type=int, help="override ead.max_new_tokens")
+    sp = add("ead-shared", cmd_ead_shared,
+             "stable EAD of several models teacher-forced on each other's generations (shared contexts)")
+    sp.add_argument("--models", nargs="+", required=True, help="model names")
+    sp.add_argument("--model-dirs", nargs="+", required=True, help="their directories (same order)")
+    sp.add_argument("--ead", nargs="+", required=True, help="their EAD row files (same order)")
+    sp.add_argument("--prompts", required=True, help="token-id prompt file (shared tokenizer)")
+    sp.add_argument("--out", required=True)
     sp = add("ar-bench", cmd_ar_bench, "AR decoding throughput, one row per prompt and repetition")
     sp.add_argument("--model", required=True)
     sp.add_argument("--model-dir", required=True)
@@ -373,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ead", nargs="+", required=True, help="EAD row files")
     sp.add_argument("--ar", nargs="*", default=[], help="AR benchmark row files")
     sp.add_argument("--train", nargs="*", default=[], help="training summary JSON files")
+    sp.add_argument("--shared", nargs="*", default=[], help="shared-context EAD row files")
     sp.add_argument("--out-dir", required=True)
     sp = add("figures", cmd_figures, "PNG figures from the tables")
     sp.add_argument("--tables-dir", required=True)

@@ -43,3 +43,30 @@ rule ar_bench:
     shell:
         "python -m impl ar-bench --config-json @{params.cfg} --quiet --model {wildcards.model} --model-dir {input.model} "
         "--prompts {input.prompts} --out {output} 2> {log}"
+
+
+if CFG["ead"].get("compare"):
+    COMPARED = [CFG["ead"]["compare"]["baseline"], CFG["ead"]["compare"]["treatment"]]
+
+    rule ead_shared:
+        conda:
+            "../env.yaml"
+        input:
+            prompts=f"{RESULTS}/workloads/{COMPARED[0]}/{{suite}}.jsonl",
+            ead=expand(f"{RESULTS}/ead/{{model}}/{{{{suite}}}}.jsonl", model=COMPARED),
+            models=[str(model_dir(CFG, m)) for m in COMPARED],
+        output:
+            f"{RESULTS}/ead_shared/{{suite}}.jsonl",
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            names=" ".join(COMPARED),
+            sig=sig("ead", "device", "dtype"),
+        threads: CFG["threads"]
+        log:
+            f"{LOGS}/ead_shared/{{suite}}.log",
+        resources:
+            mem_mb=8000,
+            runtime=120,
+        shell:
+            "python -m impl ead-shared --config-json @{params.cfg} --quiet --models {params.names} "
+            "--model-dirs {input.models} --ead {input.ead} --prompts {input.prompts} --out {output} 2> {log}"

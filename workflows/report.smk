@@ -2,8 +2,9 @@
 TABLES = f"{RESULTS}/tables"
 REPORT = f"{RESULTS}/REPORT.md"
 TABLE_NAMES = ["training", "val_loss_by_depth", "ead_summary", "ead_hist", "s_x", "nested_chains",
-               "selection", "selection_best", "ar_throughput"] + (["ls_vs_std"] if CFG["ead"].get("compare") else [])
-FIGURE_NAMES = ["ead_hist", "s_x_vs_k", "selection"] + (["loss_by_depth"] if TINY_MODELS else [])
+               "selection", "selection_best", "ar_throughput"] + (
+    ["ls_vs_std", "ls_vs_std_shared", "ead_shared_summary"] if CFG["ead"].get("compare") else [])
+FIGURE_NAMES = ["ead_hist", "ead_means", "s_x_vs_k", "selection"] + (["loss_by_depth"] if TINY_MODELS else [])
 
 
 rule tables:
@@ -13,6 +14,7 @@ rule tables:
         ead=expand(f"{RESULTS}/ead/{{model}}/{{suite}}.jsonl", model=EAD_MODELS, suite=EAD_WORKLOADS),
         ar=expand(f"{RESULTS}/ar/{{model}}/{{suite}}.jsonl", model=EAD_MODELS, suite=EAD_WORKLOADS),
         train=expand(f"{RESULTS}/train/{{model}}.json", model=[m for m in EAD_MODELS if m in TINY_MODELS]),
+        shared=expand(f"{RESULTS}/ead_shared/{{suite}}.jsonl", suite=EAD_WORKLOADS if CFG["ead"].get("compare") else []),
     output:
         expand(f"{TABLES}/{{name}}.{{ext}}", name=TABLE_NAMES, ext=["csv", "md"]),
         prov=f"{TABLES}/provenance.json",
@@ -24,7 +26,7 @@ rule tables:
         f"{LOGS}/tables.log",
     shell:
         "python -m impl tables --config-json @{params.cfg} --ead {input.ead} --ar {input.ar} --train {input.train} "
-        "--out-dir {params.tables} 2> {log}"
+        "--shared {input.shared} --out-dir {params.tables} 2> {log}"
 
 
 rule figures:

@@ -112,3 +112,23 @@ def loss_by_depth(depth: pd.DataFrame, training: pd.DataFrame, path: str | Path)
     ax.legend(fontsize=7)
     ax.set_title("Intermediate readout loss")
     _save(fig, path)
+
+
+def ead_means(summary: pd.DataFrame, shared: pd.DataFrame | None, path: str | Path) -> None:
+    """Mean stable EAD per workload and model: on each model's own generations and, when given, on
+    shared contexts."""
+    panels = [("own generations (Def. 1)", summary)] + ([("shared contexts", shared)] if shared is not None else [])
+    fig, axes = _grid(len(panels), 5.0, 3.2)
+    for ax, (title, df) in zip(axes, panels):
+        workloads = sorted(df["workload"].unique())
+        models = list(dict.fromkeys(df["model"]))
+        width = 0.8 / max(1, len(models))
+        for i, m in enumerate(models):
+            vals = [df[(df.workload == w) & (df.model == m)]["mean_stable_ead"].mean() for w in workloads]
+            ax.bar([j + (i - (len(models) - 1) / 2) * width for j in range(len(workloads))], vals, width=width,
+                   label=m, color=f"C{i}")
+        ax.set_xticks(range(len(workloads)), workloads, rotation=20)
+        ax.set_ylabel("mean stable EAD (layers)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    _save(fig, path)

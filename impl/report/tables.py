@@ -151,3 +151,16 @@ def ar_table(ar_rows: list[dict], ead_rows: list[dict] | None = None) -> pd.Data
             "ids_equal_ead_run": all(a == b for a, b in shared) if shared else None,
         })
     return pd.DataFrame(recs)
+
+
+def shared_tables(rows: list[dict], baseline: str, treatment: str) -> dict[str, pd.DataFrame]:
+    """Tables of the shared-context measurement (:mod:`impl.ead.shared`): mean stable EAD per model
+    and workload over the same token sequences, and the paired per-prompt comparison."""
+    recs = []
+    for (model, suite), rs in sorted(_group(rows).items()):
+        se = np.array([r["stable_ead"] for r in rs])
+        recs.append({"model": model, "workload": suite, "n_prompts": len({r["prompt_id"] for r in rs}),
+                     "n_tokens": int(se.size), "mean_stable_ead": float(se.mean()),
+                     "sources": " ".join(sorted({r["source"] for r in rs}))})
+    return {"ead_shared_summary": pd.DataFrame(recs),
+            "ls_vs_std_shared": paired_model_comparison(rows, baseline, treatment)}

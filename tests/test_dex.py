@@ -195,3 +195,13 @@ def test_decode_command_rows(tmp_path, tiny_model, tiny_tokenizer):
     with pytest.raises(ValueError):
         parse_exploration_set(None, 5, 12)
     assert parse_exploration_set("6,12", None, 12) == (6, 12)
+
+
+def test_decode_rows_matches_rowwise():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 20)
+    banned = [[], [3], [1, 2, 3], [], [19], [0]]
+    positions = [4, 4, 5, 6, 6, 7]
+    for rule in (DecodeRule(), DecodeRule(temperature=0.7, seed=3)):
+        assert rule.decode_rows(logits, positions, banned) == [
+            rule.decode(logits[i], positions[i], banned[i]) for i in range(6)]

@@ -158,7 +158,7 @@ class ReferenceExecutor:
                                        cache=view, use_cache=True)
         final = end == self.L
         logits = readout_logits(self.model, h[0], None if final else self.adapters.get(end))
-        cands = [self.rule.decode(logits[i], b.positions[i] + 1, b.banned[i]) for i in range(n)]
+        cands = self.rule.decode_rows(logits, [q + 1 for q in b.positions], b.banned)
         if not final:
             for i, s in enumerate(b.sids):
                 self._hidden[s] = h[0, i]

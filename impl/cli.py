@@ -151,6 +151,8 @@ def cmd_ead(args) -> None:
     _threads(cfg)
     model = _load(cfg, args.model_dir)
     prompts = read_jsonl(args.prompts)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     n = args.max_new_tokens or cfg["ead"]["max_new_tokens"]
     eos = model.config.eos_token_id if cfg["ead"]["stop_at_eos"] else None
     rows, errors = measure_suite(model, prompts, n, eos_token_id=eos, progress=not args.quiet)
@@ -201,6 +203,8 @@ def cmd_ar_bench(args) -> None:
     b = cfg["ar_bench"]
     prompts = [p for p in read_jsonl(args.prompts) if p.get("input_ids")]
     eos = model.config.eos_token_id if cfg["ead"]["stop_at_eos"] else None
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     n = args.max_new_tokens or b["max_new_tokens"]
     for p in prompts[: b["warmup_prompts"]]:  # warm-up, not recorded
         ar_decode(model, p["input_ids"], n, eos_token_id=eos)
@@ -235,6 +239,12 @@ def cmd_decode(args) -> None:
     from .provenance import provenance, read_jsonl, write_jsonl
     from .spec.sampling import DecodeRule
 
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise SystemExit(f"error: --temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.method != "dex" and (args.exploration_set or args.explorers or args.decs or args.single_exit):
+        raise SystemExit("error: --exploration-set/--explorers/--decs/--single-exit apply to --method dex only")
     torch.set_num_threads(args.threads)
     model = load_model(args.model_dir)
     tok = load_tokenizer(args.model_dir)
@@ -340,6 +350,8 @@ def cmd_report(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .workloads import SUITES
+
     p = argparse.ArgumentParser(prog="python -m impl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -368,11 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="model directory to write")
     sp.add_argument("--summary", required=True, help="training summary JSON to write")
     sp = add("workload", cmd_workload, "freeze a text prompt suite (seeded sample of N prompts)")
-    sp.add_argument("--suite", required=True)
+    sp.add_argument("--suite", required=True, choices=list(SUITES))
     sp.add_argument("--out", required=True)
     sp = add("tokenize", cmd_tokenize, "tokenize a text suite with a model's tokenizer (token-id JSONL)")
     sp.add_argument("--model-dir", required=True)
-    sp.add_argument("--prompts", required=True, help="text suite JSONL (rows: id, text)")
+    sp.add_argument("--prompts", required=True, help="text suite JSONL (rows: id, text; suite and source_id kept if present)")
     sp.add_argument("--out", required=True)
     sp = add("ead", cmd_ead, "oracle EAD measurement: one row per generated token")
     sp.add_argument("--model", required=True, help="model name recorded in the rows")
@@ -433,6 +445,6 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         args.fn(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

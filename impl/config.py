@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import string
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +211,9 @@ def _key_path(err: jsonschema.ValidationError) -> str:
 def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[str, Any]:
     """Validate a raw config mapping and return it with defaults filled in.
 
-    Checks, in order: the JSON schema (unknown keys, wrong types, out-of-range values); cross-key
+    The environment variable ``IMPL_DATA_DIR``, when set, overrides ``data_dir`` (where the datasets
+    are on this machine). Checks, in order: the JSON schema (unknown keys, wrong types, out-of-range
+    values); prompt templates (fields must exist for their suite); cross-key
     references (``ead.models`` must name entries of ``models``, ``ead.workloads`` entries of
     ``workloads``); and, if ``check_paths``, the data files each workload and the corpus need and the
     directories of ``kind: pretrained`` models.
@@ -233,6 +237,22 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
         raise ConfigError(f"config: {msg}")
     out = _merge(DEFAULTS, cfg)
     out["ead"] = _merge(EAD_DEFAULTS, out["ead"])
+    env_data = os.environ.get("IMPL_DATA_DIR")
+    if env_data:  # the environment names where the datasets are on this machine
+        out["data_dir"] = env_data
+    from .workloads import FIELDS
+
+    for suite, w in out["workloads"].items():
+        if "template" in w:
+            try:
+                names = {f for _, f, _, _ in string.Formatter().parse(w["template"]) if f is not None}
+            except ValueError as e:
+                raise ConfigError(f"config: bad value for 'workloads.{suite}.template': {e}") from None
+            unknown = sorted(n for n in names if n.split(".")[0].split("[")[0] not in FIELDS[suite])
+            if unknown:
+                raise ConfigError(
+                    f"config: 'workloads.{suite}.template' uses unknown field(s) {unknown}; "
+                    f"available: {', '.join(FIELDS[suite])}")
     for i, m in enumerate(out["ead"]["models"]):
         if m not in out["models"]:
             raise ConfigError(f"config: 'ead.models[{i}]' names '{m}', which is not a key of 'models' ({', '.join(out['models'])})")
@@ -273,9 +293,10 @@ def check_config_paths(cfg: dict[str, Any]) -> None:
     """
     data_dir = Path(cfg["data_dir"])
     if not data_dir.is_dir():
+        src = " (from IMPL_DATA_DIR)" if os.environ.get("IMPL_DATA_DIR") else ""
         raise ConfigError(
-            f"config: 'data_dir' = {data_dir} is not a folder; point it at the datasets listed in "
-            "SOURCES.md (canonical copies: ../shared/data)")
+            f"config: 'data_dir' = {data_dir}{src} is not a folder; point it (or the environment variable "
+            "IMPL_DATA_DIR) at the datasets listed in SOURCES.md (canonical copies: ../shared/data)")
     for suite in cfg["workloads"]:
         try:
             check_data(suite, data_dir)

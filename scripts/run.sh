@@ -6,12 +6,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 source scripts/data_dir.sh
-extra=()
-if [ -n "${IMPL_DATA_DIR:-}" ]; then extra+=(--config "data_dir=$IMPL_DATA_DIR"); fi
-.venv/bin/snakemake --cores "${CORES:-2}" "${extra[@]}" "$@"
+.venv/bin/snakemake --cores "${CORES:-2}" "$@"
 .venv/bin/python - "$@" <<'PY'
 import sys, yaml
 args = sys.argv[1:]
-cfg = args[args.index("--configfile") + 1] if "--configfile" in args else "configs/default.yaml"
+if "-n" in args or "--dry-run" in args or "--dryrun" in args:
+    sys.exit(0)
+cfg = "configs/default.yaml"
+for i, a in enumerate(args):
+    if a == "--configfile" and i + 1 < len(args):
+        cfg = args[i + 1]
+    elif a.startswith("--configfile="):
+        cfg = a.split("=", 1)[1]
 print(f"report: {yaml.safe_load(open(cfg))['results_dir']}/REPORT.md")
 PY

@@ -14,6 +14,12 @@ if not DATA_DIR.is_dir():
     DATA_DIR = Path("/work/shared/data")
 
 
+@pytest.fixture(autouse=True)
+def _no_data_dir_override(monkeypatch):
+    """Tests pass data_dir explicitly; IMPL_DATA_DIR (which overrides it) must not leak into them."""
+    monkeypatch.delenv("IMPL_DATA_DIR", raising=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """A seeded random 12-layer Llama (hidden 32, vocab 97) in eval mode, initialised wide

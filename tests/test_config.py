@@ -98,3 +98,17 @@ def test_yaml_errors(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "none.yaml")
+
+
+def test_template_fields_checked_before_jobs(cfg):
+    cfg["workloads"]["gsm8k"]["template"] = "Q: {questoin}"
+    msg = _err(cfg)
+    assert "workloads.gsm8k.template" in msg and "questoin" in msg and "question" in msg
+
+
+def test_env_data_dir_overrides(cfg, monkeypatch, data_dir):
+    cfg["data_dir"] = "/nonexistent"
+    monkeypatch.setenv("IMPL_DATA_DIR", str(data_dir))
+    assert validate_config(cfg)["data_dir"] == str(data_dir)
+    monkeypatch.setenv("IMPL_DATA_DIR", "/nope")
+    assert "IMPL_DATA_DIR" in _err(cfg)

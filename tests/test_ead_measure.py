@@ -59,3 +59,10 @@ def test_ar_sampling_is_seeded(tiny_model):
     a = ar_decode(tiny_model, [1, 2, 3], 10, temperature=1.0, generator=torch.Generator().manual_seed(3))
     b = ar_decode(tiny_model, [1, 2, 3], 10, temperature=1.0, generator=torch.Generator().manual_seed(3))
     assert a.tokens == b.tokens and len(a.token_seconds) == 9
+
+
+def test_bad_prompt_rows_become_errors(tiny_model):
+    rows, errors = measure_suite(tiny_model, [{"id": "text", "text": "hello"}, {"id": "oov", "input_ids": [1, 999]},
+                                              {"id": "neg", "input_ids": [-1]}], 4)
+    assert not rows and {e["prompt_id"] for e in errors} == {"text", "oov", "neg"}
+    assert "input_ids" in errors[0]["error"] and "outside" in errors[1]["error"]

@@ -29,16 +29,19 @@ os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get(
 
 # The validated config (with --config overrides and defaults) is handed to every command as one file
 # at a fixed path (so the shell command and params stay the same across config edits); rules re-run
-# when the config sections they use change (their `sig` param), not on every edit. A dry run does
-# not write it.
+# when the config sections they use change (their `sig` param), not on every edit. It is written when
+# execution starts (onstart), so a dry run writes nothing.
 EFFECTIVE_CONFIG = f"{RESULTS}/.config/effective.json"
-_text = json.dumps(CFG, indent=2, sort_keys=True)
-_eff = Path(EFFECTIVE_CONFIG)
-if not workflow.dryrun and (not _eff.is_file() or _eff.read_text() != _text):
-    _eff.parent.mkdir(parents=True, exist_ok=True)
-    _tmp = _eff.with_suffix(f".{os.getpid()}.tmp")
-    _tmp.write_text(_text)
-    _tmp.replace(_eff)
+
+
+onstart:
+    _text = json.dumps(CFG, indent=2, sort_keys=True)
+    _eff = Path(EFFECTIVE_CONFIG)
+    if not _eff.is_file() or _eff.read_text() != _text:
+        _eff.parent.mkdir(parents=True, exist_ok=True)
+        _tmp = _eff.with_suffix(f".{os.getpid()}.tmp")
+        _tmp.write_text(_text)
+        _tmp.replace(_eff)
 
 
 def sig(*keys, **extra):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..spec.ar import check_prompt_ids
 from .lattice import Lattice
 from .reference import StageBatch
 
@@ -109,8 +110,7 @@ class DEXDecoder:
         Raises:
             ValueError: empty prompt, max_new_tokens < 1, or prompt + new tokens beyond the context.
         """
-        if not input_ids:
-            raise ValueError("empty prompt: input_ids has no tokens")
+        check_prompt_ids(self.ex.model, list(input_ids))
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         ctx = getattr(self.ex.model.config, "max_position_embeddings", None)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..models.depth import hidden_states_by_depth, readout_logits
-from ..spec.ar import ar_decode
+from ..spec.ar import ar_decode, check_prompt_ids
 from .accounting import ead_from_omega, stable_ead_from_omega
 
 
@@ -46,8 +46,7 @@ def measure_prompt(
     """
     from transformers import DynamicCache
 
-    if not input_ids:
-        raise ValueError("empty prompt: input_ids has no tokens")
+    check_prompt_ids(model, input_ids)
     ctx = getattr(model.config, "max_position_embeddings", None)
     if ctx is not None and len(input_ids) + max_new_tokens > ctx:
         raise ValueError(
@@ -105,6 +104,10 @@ def measure_suite(
     token_rows: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     for p in tqdm(prompts, desc="ead", disable=not progress, mininterval=5):
+        if "input_ids" not in p:
+            errors.append({"prompt_id": p.get("id"), "error": "row has no input_ids (tokenize text prompts first: "
+                           "python -m impl tokenize)"})
+            continue
         try:
             rows = measure_prompt(model, p["input_ids"], max_new_tokens, eos_token_id=eos_token_id)
             ref = ar_decode(model, p["input_ids"], max_new_tokens, eos_token_id=eos_token_id)

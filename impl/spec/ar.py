@@ -30,6 +30,20 @@ class ARResult:
     stopped_at_eos: bool = False
 
 
+def check_prompt_ids(model, input_ids) -> None:
+    """Reject a prompt that no method can decode.
+
+    Raises:
+        ValueError: empty prompt, or ids that are not ints in [0, vocab_size).
+    """
+    if not input_ids:
+        raise ValueError("empty prompt: input_ids has no tokens")
+    V = model.config.vocab_size
+    bad = [t for t in input_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
+    if bad:
+        raise ValueError(f"prompt has token ids outside [0, {V}): {bad[:5]}")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -70,8 +84,7 @@ def ar_decode(
     """
     from transformers import DynamicCache
 
-    if not input_ids:
-        raise ValueError("empty prompt: input_ids has no tokens")
+    check_prompt_ids(model, input_ids)
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     ctx = getattr(model.config, "max_position_embeddings", None)

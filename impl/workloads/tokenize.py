@@ -85,8 +85,8 @@ def tokenize_suite(
         out.append(
             {
                 "id": row["id"],
-                "suite": row["suite"],
-                "source_id": row["source_id"],
+                "suite": row.get("suite"),
+                "source_id": row.get("source_id"),
                 "text": row["text"],
                 "input_ids": ids,
                 "n_tokens": len(ids),

@@ -192,8 +192,6 @@ def cmd_ead_shared(args) -> None:
 
 
 def cmd_ar_bench(args) -> None:
-    import torch
-
     from .provenance import provenance, read_jsonl, write_jsonl
     from .spec.ar import ar_decode
 
@@ -225,7 +223,6 @@ def cmd_ar_bench(args) -> None:
                 "token_seconds": res.token_seconds, "stopped_at_eos": res.stopped_at_eos,
                 "warmup_prompts_excluded": b["warmup_prompts"], **prov,
             })
-    del torch
     write_jsonl(args.out, rows)
     log.info("%s: %d rows", args.out, len(rows))
 

@@ -8,7 +8,6 @@ and checks every output against AR under the same decoding rule, writing the ver
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any, Callable
 
 from .spec.ar import ar_decode
@@ -122,4 +121,4 @@ def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: d
     return rows
 
 
-__all__ = ["METHODS", "build_method", "decode_prompts", "parse_exploration_set", "asdict"]
+__all__ = ["METHODS", "build_method", "decode_prompts", "parse_exploration_set"]

@@ -201,9 +201,8 @@ def selection_trace(ead, s: int, L: int, num_speculations: int) -> np.ndarray:
             if e[i] <= s:
                 work[i] = s
                 continue
-            v = len(block) - j
-            p = np.zeros(1)
-            work[i] = selection_workload(p, [s], L, [v * s])[0]
+            v = len(block) - j  # drafted tokens of this round discarded from t on, t included
+            work[i] = selection_workload([0.0], [s], L, [v * s])[0]
             t = i + 1
             break
         else:

@@ -52,7 +52,6 @@ def build_report(
     shared = optional("ls_vs_std_shared")
     ar = read("ar_throughput")
     best = read("selection_best")
-    sx = read("s_x")
 
     lines = ["# Replication report: oracle EAD, depth-side accounting, AR baseline", ""]
     lines += [
@@ -130,7 +129,6 @@ def build_report(
     lines += ["", "## Figures", ""]
     for caption, p in figures.items():
         lines += [f"### {caption}", "", f"![{caption}]({_rel(Path(p), base)})", ""]
-    del sx
     text = "\n".join(lines) + "\n"
     write_text(out, text)
     return text

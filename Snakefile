@@ -19,6 +19,7 @@ include: "workflows/common.smk"
 include: "workflows/models.smk"
 include: "workflows/workloads.smk"
 include: "workflows/ead.smk"
+include: "workflows/dex.smk"
 include: "workflows/report.smk"
 
 

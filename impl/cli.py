@@ -110,6 +110,36 @@ def cmd_train(args) -> None:
              meta["unigram_baseline"], summary["train_seconds"])
 
 
+def cmd_train_adapters(args) -> None:
+    import torch
+
+    from .dex.cell import adapter_depths
+    from .models.adapter_train import AdapterTrainConfig, sharegpt_tokens, train_adapters
+    from .models.adapters import save_adapters
+    from .models.depth import num_layers
+    from .models.load import load_tokenizer
+    from .provenance import atomic_path, provenance, write_json
+
+    cfg = _config(args)
+    if "dex" not in cfg:
+        raise SystemExit("error: the config has no 'dex' section (adapter settings live in dex.adapters)")
+    a = cfg["dex"]["adapters"]
+    model = _load(cfg, args.model_dir)
+    tok = load_tokenizer(args.model_dir)
+    depths = adapter_depths(cfg["dex"], num_layers(model))
+    tcfg = AdapterTrainConfig(steps=a["steps"], batch_size=a["batch_size"], seq_len=a["seq_len"], lr=a["lr"],
+                              position_fraction=a["position_fraction"], seed=cfg["seed"], threads=a["threads"])
+    train, val = sharegpt_tokens(cfg["data_dir"], tok, a["max_chars"])
+    with torch.enable_grad():
+        adapters, summary = train_adapters(model, depths, train, val, tcfg, progress=not args.quiet)
+    summary.update(model_dir=str(args.model_dir), data="sharegpt", train_tokens_available=int(len(train)),
+                   **provenance(cfg, seed=cfg["seed"]))
+    with atomic_path(args.out) as tmp:
+        save_adapters(adapters, tmp, {"model_dir": str(args.model_dir), "summary": summary})
+    write_json(args.summary, summary)
+    log.info("adapters at depths %s: KL %.3f in %.0f s", depths, summary["final_kl"], summary["train_seconds"])
+
+
 def cmd_workload(args) -> None:
     from .provenance import write_jsonl
     from .workloads import DEFAULT_TEMPLATES, build_text_suite
@@ -240,8 +270,9 @@ def cmd_decode(args) -> None:
         raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise SystemExit(f"error: --temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if args.method != "dex" and (args.exploration_set or args.explorers or args.decs or args.single_exit):
-        raise SystemExit("error: --exploration-set/--explorers/--decs/--single-exit apply to --method dex only")
+    if args.method != "dex" and (args.exploration_set or args.explorers or args.decs or args.single_exit
+                                 or args.adapters):
+        raise SystemExit("error: --exploration-set/--explorers/--decs/--single-exit/--adapters apply to --method dex only")
     torch.set_num_threads(args.threads)
     model = load_model(args.model_dir)
     tok = load_tokenizer(args.model_dir)
@@ -255,8 +286,13 @@ def cmd_decode(args) -> None:
             raise SystemExit(f"error: {e}") from None
     rule = DecodeRule(temperature=args.temperature, seed=args.seed)
     eos = None if args.ignore_eos else model.config.eos_token_id
+    adapters = None
+    if args.adapters:
+        from .models.adapters import load_adapters
+
+        adapters = load_adapters(args.adapters, model)
     rows = decode_prompts(model, tok, read_jsonl(args.prompts), args.method, params, rule, args.max_new_tokens,
-                          eos, progress=not args.quiet)
+                          eos, progress=not args.quiet, adapters=adapters)
     prov = provenance({"method": args.method, **{k: str(v) for k, v in params.items()}}, seed=args.seed)
     for r in rows:
         r.update(model_dir=str(args.model_dir), **prov)
@@ -265,6 +301,73 @@ def cmd_decode(args) -> None:
     errs = [r["prompt_id"] for r in rows if "error" in r]
     log.info("%s: %d rows, %d errors, %d differ from AR%s", args.out, len(rows), len(errs), len(bad),
              f" ({bad})" if bad else "")
+
+
+def cmd_dex_cell(args) -> None:
+    from .dex.cell import dex_arms, run_cell, tune_baselines
+    from .models.depth import num_layers
+    from .provenance import provenance, read_jsonl, write_jsonl
+
+    cfg = _config(args)
+    if "dex" not in cfg:
+        raise SystemExit("error: the config has no 'dex' section")
+    d = cfg["dex"]
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    model = _load(cfg, args.model_dir)
+    adapters = None
+    if args.adapters:
+        from .models.adapters import load_adapters
+
+        adapters = load_adapters(args.adapters, model)
+    L = num_layers(model)
+    suite = [p for p in read_jsonl(args.prompts) if p.get("input_ids")]
+    n, nt = d["n_prompts"], d["baselines"]["tune_prompts"]
+    prompts, tune = suite[:n], suite[n:n + nt]
+    if len(prompts) < n or (not adapters and len(tune) < nt):
+        log.warning("%s has %d prompts: %d evaluated (dex.n_prompts=%d), %d for tuning (tune_prompts=%d)",
+                    args.prompts, len(suite), len(prompts), n, len(tune), nt)
+    eos = model.config.eos_token_id if d["stop_at_eos"] else None
+    arms = dex_arms(d, L)
+    tuning: list[dict] = []
+    if not adapters and tune:  # baselines run on the plain model; the adapter variant adds DEX arms only
+        extra, tuning = tune_baselines(model, tune, d, L, d["max_new_tokens"], eos)
+        arms += extra
+    rows = run_cell(model, prompts, arms, max_new_tokens=d["max_new_tokens"], eos=eos, seed=cfg["seed"],
+                    adapters=adapters, progress=not args.quiet)
+    prov = provenance(cfg, seed=cfg["seed"])
+    for r in rows:
+        r.update(kind="decode", variant=args.variant, num_layers=L, **prov)
+    for r in tuning:
+        r.update(variant=args.variant, suite=suite[0].get("suite") if suite else None, num_layers=L, **prov)
+    write_jsonl(args.out, tuning + rows)
+    bad = sorted({r["arm"] for r in rows if r.get("ar_match") is False})
+    ident = [r for r in rows if "rounds_identity" in r]
+    log.info("%s: %d rows; arms differing from AR: %s; rounds identity %d/%d", args.out, len(rows), bad or "none",
+             sum(r["rounds_identity"] for r in ident), len(ident))
+
+
+def cmd_dex_tables(args) -> None:
+    from .provenance import read_jsonl
+    from .report.dex import dex_tables
+    from .report.tables import write_table
+
+    rows = [r for f in args.cells for r in read_jsonl(f)]
+    summaries = [json.loads(Path(f).read_text()) for f in args.adapters]
+    for name, df in dex_tables(rows, summaries).items():
+        write_table(df, Path(args.out_dir) / name)
+    log.info("DEX tables from %d cells -> %s", len(args.cells), args.out_dir)
+
+
+def cmd_dex_figures(args) -> None:
+    import pandas as pd
+
+    from .report import figures as F
+
+    arms = pd.read_csv(Path(args.tables_dir) / "dex_arms.csv")
+    F.dex_fig3(arms, Path(args.out_dir) / "dex_fig3.png")
+    F.dex_fig4(arms, Path(args.out_dir) / "dex_fig4.png")
 
 
 def cmd_tables(args) -> None:
@@ -338,8 +441,13 @@ def cmd_report(args) -> None:
             names.append(os.path.relpath(c) if Path(c).resolve().is_relative_to(Path.cwd()) else c)
         except ValueError:
             names.append(c)
+    sections: list[str] = []
+    if args.dex_tables_dir:
+        from .report.dex import report_section
+
+        sections += report_section(args.dex_tables_dir, fd, Path(args.out).parent)
     build_report(args.out, tables_dir=td, figures=figs, provenance=prov, config_name=" ".join(names),
-                 prompt_errors=prov.get("prompt_errors", 0))
+                 prompt_errors=prov.get("prompt_errors", 0), sections=sections)
     print(f"report: {args.out}")
 
 
@@ -375,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tokenizer", required=True)
     sp.add_argument("--corpus", required=True)
     sp.add_argument("--out", required=True, help="model directory to write")
+    sp.add_argument("--summary", required=True, help="training summary JSON to write")
+    sp = add("train-adapters", cmd_train_adapters,
+             "train DEX inducing adapters (App. C.2) for a frozen model by KL self-distillation on ShareGPT")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--out", required=True, help="adapter directory to write")
     sp.add_argument("--summary", required=True, help="training summary JSON to write")
     sp = add("workload", cmd_workload, "freeze a text prompt suite (seeded sample of N prompts)")
     sp.add_argument("--suite", required=True, choices=list(SUITES))
@@ -415,8 +528,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--decs", action="store_true", help="DEX: depth-coupled sampling (Algorithm 2)")
     sp.add_argument("--single-exit", action="store_true", help="DEX ablation: branch only from d_0 and L")
     sp.add_argument("--dedupe", action="store_true", help="DEX: reuse children of repeated candidates")
+    sp.add_argument("--adapters", help="DEX: inducing adapter directory (train-adapters)")
     sp.add_argument("--ignore-eos", action="store_true")
     sp.add_argument("--threads", type=int, default=1)
+    sp = add("dex-cell", cmd_dex_cell,
+             "one DEX benchmark cell: AR, DEX-1/K, ablations and tuned baselines on one (model, workload)")
+    sp.add_argument("--variant", required=True, help="name recorded in the rows (model, or model+ad)")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--adapters", help="inducing adapter directory (DEX arms only)")
+    sp.add_argument("--prompts", required=True, help="token-id suite: first dex.n_prompts evaluated, the next "
+                    "dex.baselines.tune_prompts used for tuning")
+    sp.add_argument("--out", required=True)
+    sp = add("dex-tables", cmd_dex_tables, "DEX tables (Fig. 3/4, Table 1, claims, walltime model) from cell rows")
+    sp.add_argument("--cells", nargs="+", required=True, help="dex-cell row files")
+    sp.add_argument("--adapters", nargs="*", default=[], help="adapter training summaries")
+    sp.add_argument("--out-dir", required=True)
+    sp = add("dex-figures", cmd_dex_figures, "DEX Fig. 3 / Fig. 4 shapes from the DEX tables")
+    sp.add_argument("--tables-dir", required=True)
+    sp.add_argument("--out-dir", required=True)
     sp = add("tables", cmd_tables, "EAD / S_X / selection / AR / training tables from raw rows")
     sp.add_argument("--ead", nargs="+", required=True, help="EAD row files")
     sp.add_argument("--ar", nargs="*", default=[], help="AR benchmark row files")
@@ -431,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--figures-dir", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--config-name", default="configs/default.yaml")
+    sp.add_argument("--dex-tables-dir", help="DEX tables (dex-tables); adds the DEX section")
     return p
 
 

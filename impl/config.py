@@ -152,6 +152,61 @@ SCHEMA: dict[str, Any] = {
                 },
             },
         },
+        "dex": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["models", "workloads"],
+            "description": "DEX experiments (Fig. 3, Fig. 4, Table 1); absent = no DEX rules",
+            "properties": {
+                "models": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                "workloads": {"type": "array", "items": {"enum": list(SUITES)}, "minItems": 1},
+                "n_prompts": {**_POS_INT, "description": "first n prompts of each frozen suite"},
+                "max_new_tokens": _POS_INT,
+                "stop_at_eos": {"type": "boolean"},
+                "explorers": {"type": "array", "items": _POS_INT, "minItems": 1,
+                              "description": "K of the uniform DEX-1/K sets; [] or absent = every K dividing L"},
+                "exploration_sets": {"type": "array", "items": {"type": "array", "items": _POS_INT, "minItems": 1},
+                                     "description": "extra (non-uniform) exploration sets"},
+                "dedupe": {"type": "boolean", "description": "merge repeated candidates of one slot (lossless)"},
+                "single_exit": {"type": "boolean", "description": "single-exit ablation for every K > 2"},
+                "decs": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"explorers": {"type": "array", "items": _POS_INT},
+                                   "temperatures": {"type": "array", "items": {"type": "number", "minimum": 0}}},
+                },
+                "adapters": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "models": {"type": "array", "items": {"type": "string"}},
+                        "steps": _POS_INT,
+                        "batch_size": _POS_INT,
+                        "seq_len": {"type": "integer", "minimum": 8},
+                        "lr": _POS_NUM,
+                        "position_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                        "max_chars": {"type": "integer", "minimum": 10000},
+                        "threads": _POS_INT,
+                    },
+                },
+                "baselines": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "tune_prompts": {**_POS_INT, "description": "prompts per workload used for tuning"},
+                        "self_spec": {"type": "object", "additionalProperties": False, "properties": {
+                            "exit_layers": {"type": "array", "items": _POS_INT, "minItems": 1},
+                            "num_speculations": {"type": "array", "items": _POS_INT, "minItems": 1}}},
+                        "adadecode": {"type": "object", "additionalProperties": False, "properties": {
+                            "shortcut_every": _POS_INT,
+                            "num_speculations": {"type": "array", "items": _POS_INT, "minItems": 1},
+                            "thresholds": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1},
+                                           "minItems": 1}}},
+                        "dynamic_exit": {"type": "boolean"},
+                    },
+                },
+            },
+        },
         "ar_bench": {
             "type": "object",
             "additionalProperties": False,
@@ -178,6 +233,17 @@ DEFAULTS: dict[str, Any] = {
     "max_prompt_tokens": 512,
     "overlong_prompt": "truncate_left",
     "ar_bench": {"max_new_tokens": 64, "warmup_prompts": 2, "repetitions": 1},
+}
+DEX_DEFAULTS: dict[str, Any] = {
+    "n_prompts": 8, "max_new_tokens": 64, "stop_at_eos": True, "explorers": [], "exploration_sets": [],
+    "dedupe": True, "single_exit": True, "decs": {"explorers": [4], "temperatures": [0.0, 1.0]},
+    "adapters": {"models": [], "steps": 300, "batch_size": 8, "seq_len": 256, "lr": 5e-3,
+                 "position_fraction": 0.25, "max_chars": 4_000_000, "threads": 2},
+    "baselines": {"tune_prompts": 3,
+                  "self_spec": {"exit_layers": [1, 2, 3, 4, 6], "num_speculations": [2, 4, 6, 8]},
+                  "adadecode": {"shortcut_every": 2, "num_speculations": [2, 4, 6, 8],
+                                "thresholds": [0.2, 0.4, 0.6, 0.8]},
+                  "dynamic_exit": True},
 }
 EAD_DEFAULTS = {"stop_at_eos": True, "num_speculations": [1, 4], "nested_chains": [[2, 4, 12], [3, 6, 12]]}
 
@@ -280,9 +346,47 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
             raise ConfigError(
                 f"config: 'ead.nested_chains[{i}]' = {chain} must be strictly increasing explorer counts K"
                 + (f" that divide tiny_arch.num_layers ({L})" if all_tiny else ""))
+    if "dex" in out:
+        out["dex"] = _merge(DEX_DEFAULTS, out["dex"])
+        _check_dex(out)
     if check_paths:
         check_config_paths(out)
     return out
+
+
+def _check_dex(out: dict[str, Any]) -> None:
+    """Cross-checks of the ``dex`` section (names, and depths against L where every model is tiny)."""
+    d = out["dex"]
+    for key in ("models", "adapters.models"):
+        names = d["models"] if key == "models" else d["adapters"]["models"]
+        for i, m in enumerate(names):
+            if m not in out["models"]:
+                raise ConfigError(f"config: 'dex.{key}[{i}]' names '{m}', which is not a key of 'models'")
+    for i, m in enumerate(d["adapters"]["models"]):
+        if m not in d["models"]:
+            raise ConfigError(f"config: 'dex.adapters.models[{i}]' names '{m}', which is not in 'dex.models'")
+    for i, w in enumerate(d["workloads"]):
+        if w not in out["workloads"]:
+            raise ConfigError(f"config: 'dex.workloads[{i}]' names '{w}', which is not a key of 'workloads'")
+    if all(out["models"][m]["kind"] == "tiny" for m in d["models"]):
+        L = out["tiny_arch"]["num_layers"]
+        for i, k in enumerate(d["explorers"]):
+            if L % k:
+                raise ConfigError(f"config: 'dex.explorers[{i}]' = {k} does not divide tiny_arch.num_layers ({L})")
+        for i, k in enumerate(d["decs"]["explorers"]):
+            if L % k:
+                raise ConfigError(f"config: 'dex.decs.explorers[{i}]' = {k} does not divide tiny_arch.num_layers ({L})")
+        for i, xs in enumerate(d["exploration_sets"]):
+            if list(xs) != sorted(set(xs)) or xs[-1] != L or xs[0] < 1:
+                raise ConfigError(f"config: 'dex.exploration_sets[{i}]' = {xs} must be strictly increasing depths "
+                                  f"in [1, {L}] ending at L = {L}")
+        for i, e in enumerate(d["baselines"]["self_spec"]["exit_layers"]):
+            if not 1 <= e < L:
+                raise ConfigError(f"config: 'dex.baselines.self_spec.exit_layers[{i}]' = {e} is outside [1, {L - 1}]")
+    need = out["max_prompt_tokens"] + d["max_new_tokens"]
+    if any(out["models"][m]["kind"] == "tiny" for m in d["models"]) and need > out["tiny_arch"]["max_position_embeddings"]:
+        raise ConfigError(f"config: 'max_prompt_tokens' + 'dex.max_new_tokens' = {need} exceeds "
+                          f"'tiny_arch.max_position_embeddings'")
 
 
 def check_config_paths(cfg: dict[str, Any]) -> None:

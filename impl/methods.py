@@ -36,31 +36,45 @@ def parse_exploration_set(text: str | None, explorers: int | None, L: int) -> tu
     return validate_exploration_set(xs, L)
 
 
-def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any]) -> Callable[[list[int], int, int | None], dict]:
+def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
+                 adapters: dict | None = None) -> Callable[[list[int], int, int | None], dict]:
     """A function ``(input_ids, max_new_tokens, eos_token_id) -> row fields`` for method ``name``.
 
+    Every method's fields include ``token_ids``, ``seconds`` (wall time of the decode, s),
+    ``stopped_at_eos`` and ``critical_layers_total``: the depth-side critical path of the whole
+    generation in decoder layers (DEX Prop. 7 accounting: layers that must run one after another;
+    AR charges L per token).
+
     Params (DEX): ``exploration_set`` (tuple of depths), ``decs`` (bool), ``single_exit`` (bool),
-    ``dedupe`` (bool).
+    ``dedupe`` (bool); ``adapters``: inducing adapters by depth (DEX App. C.2), the ones at the
+    non-final depths of the exploration set are used.
 
     Raises:
-        ValueError: unknown method or parameters.
+        ValueError: unknown method or parameters, or an exploration set without adapters at some of
+            its non-final depths when adapters are given.
     """
+    from .models.depth import num_layers
+
+    L = num_layers(model)
     if name == "ar":
         def run_ar(ids, n, eos):
             t0 = time.perf_counter()
             r = ar_decode(model, ids, n, eos_token_id=eos, rule=rule)
             return {"token_ids": r.tokens, "seconds": time.perf_counter() - t0,
-                    "stopped_at_eos": r.stopped_at_eos}
+                    "stopped_at_eos": r.stopped_at_eos, "critical_layers_total": L * len(r.tokens)}
         return run_ar
     if name == "dex":
         from .dex import DEXDecoder, ReferenceExecutor
 
+        from .models.adapters import select_adapters
+
         X = tuple(params["exploration_set"])
         K = len(X)
         branch = {0, K - 1} if params.get("single_exit") else None
+        used = select_adapters(adapters, X)
 
         def run_dex(ids, n, eos):
-            ex = ReferenceExecutor(model, X, rule=rule)
+            ex = ReferenceExecutor(model, X, rule=rule, adapters=used)
             dec = DEXDecoder(ex, decs=bool(params.get("decs")), branch_stages=branch,
                              dedupe=bool(params.get("dedupe")))
             t0 = time.perf_counter()
@@ -76,6 +90,9 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any]) -> 
                 "match_index": [m.match_index for m in r.metrics],
                 "match_depth": [m.match_depth for m in r.metrics],
                 "critical_layers": [m.critical_layers for m in r.metrics],
+                "critical_layers_total": sum(m.critical_layers for m in r.metrics),
+                "round_seconds": r.round_seconds,
+                "adapters": bool(used),
                 "max_lattice": [max(m.lattice_sizes) for m in r.metrics],
                 "etks": [m.etks for m in r.metrics],
                 "exploration_set": list(X),
@@ -86,7 +103,7 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any]) -> 
 
 def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: dict, rule: DecodeRule,
                    max_new_tokens: int, eos_token_id: int | None, *, check_ar: bool = True,
-                   progress: bool = False) -> list[dict]:
+                   progress: bool = False, adapters: dict | None = None) -> list[dict]:
     """Decode every prompt row with ``method``; rows carry ``id`` and ``input_ids`` or ``text``.
 
     Returns one row per prompt with the method's fields, ``n_new_tokens`` and ``ar_match`` (the ids
@@ -95,7 +112,7 @@ def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: d
     """
     from tqdm import tqdm
 
-    run = build_method(method, model, rule, params)
+    run = build_method(method, model, rule, params, adapters)
     rows = []
     for p in tqdm(prompts, desc=method, disable=not progress, mininterval=5):
         base = {"prompt_id": p.get("id"), "suite": p.get("suite"), "method": method,

@@ -132,3 +132,81 @@ def ead_means(summary: pd.DataFrame, shared: pd.DataFrame | None, path: str | Pa
         ax.set_title(title)
         ax.legend(fontsize=7)
     _save(fig, path)
+
+
+def dex_fig3(arms: pd.DataFrame, path: str | Path) -> None:
+    """DEX Fig. 3 shape: per variant (row) and workload (column), greedy depth-side speedup of the
+    tuned baselines and DEX-1/K, dashed lines at the EAD and stable-EAD oracles."""
+    g = arms[(arms.figure == "fig3") & (arms.temperature == 0)]
+    variants = list(dict.fromkeys(g["variant"]))
+    suites = list(dict.fromkeys(g["suite"]))
+    fig, axes = plt.subplots(len(variants), len(suites), figsize=(4.2 * len(suites), 3.2 * len(variants)),
+                             squeeze=False)
+    for i, v in enumerate(variants):
+        for j, s in enumerate(suites):
+            ax = axes[i, j]
+            c = g[(g.variant == v) & (g.suite == s)]
+            bars = c[~c.arm.str.endswith("oracle")]
+            colors = ["C1" if a.startswith("dex") else "C7" for a in bars["arm"]]
+            ax.bar(range(len(bars)), bars["depth_speedup"], color=colors)
+            ax.set_xticks(range(len(bars)), bars["arm"], rotation=60, ha="right", fontsize=7)
+            for arm, ls in (("ead_oracle", "--"), ("stable_ead_oracle", ":")):
+                o = c[c.arm == arm]
+                if len(o):
+                    ax.axhline(o["depth_speedup"].iloc[0], color="k", ls=ls, lw=1, label=arm.replace("_", " "))
+            ax.axhline(1.0, color="grey", lw=0.5)
+            ax.set_title(f"{v} / {s}", fontsize=9)
+            ax.set_ylabel("depth-side speedup over AR")
+            ax.legend(fontsize=6)
+    fig.suptitle("Depth-axis comparison (Prop. 7 layer accounting; DEX orange, baselines grey)")
+    _save(fig, path)
+
+
+def dex_fig4(arms: pd.DataFrame, path: str | Path) -> None:
+    """DEX Fig. 4 shape: left, resolution scaling (depth-side and projected K-device speedup vs K);
+    right-top, single exit vs full exploration; right-bottom, vanilla vs DECS at each temperature.
+    Means over workloads per variant."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    res = arms[(arms.figure == "fig3") & arms.arm.str.match(r"^dex-1/\d+$")]
+    for i, (v, g) in enumerate(res.groupby("variant", sort=False)):
+        m = g.groupby("K")[["depth_speedup", "projected_speedup"]].mean().reset_index()
+        axes[0].plot(m["K"], m["depth_speedup"], "o-", color=f"C{i}", label=f"{v} depth-side")
+        axes[0].plot(m["K"], m["projected_speedup"], "s--", color=f"C{i}", label=f"{v} projected K-device")
+    axes[0].set_xlabel("explorers K (DEX-1/K)")
+    axes[0].set_ylabel("speedup over AR")
+    axes[0].set_title("resolution scaling")
+    axes[0].legend(fontsize=6)
+    single = arms[arms.figure == "fig4_single"]
+    rows = []
+    for _, r in single.iterrows():
+        full = arms[(arms.variant == r.variant) & (arms.suite == r.suite) & (arms.arm == r.arm[: -len("-single")])]
+        if len(full):
+            rows.append({"variant": r.variant, "K": r.K, "single": r.depth_speedup, "full": full["depth_speedup"].iloc[0]})
+    if rows:
+        t = pd.DataFrame(rows).groupby(["variant", "K"]).mean().reset_index()
+        labels = [f"{v}\nK={int(k)}" for v, k in zip(t["variant"], t["K"])]
+        x = range(len(t))
+        axes[1].bar([i - 0.2 for i in x], t["single"], 0.4, label="single exit")
+        axes[1].bar([i + 0.2 for i in x], t["full"], 0.4, label="full exploration")
+        axes[1].set_xticks(list(x), labels, fontsize=6)
+        axes[1].legend(fontsize=7)
+    axes[1].set_title("single exit vs full exploration")
+    axes[1].set_ylabel("depth-side speedup")
+    decs = arms[(arms.figure == "fig4_decs") & arms.arm.str.contains("-decs")]
+    rows = []
+    for _, r in decs.iterrows():
+        van = arms[(arms.variant == r.variant) & (arms.suite == r.suite) & (arms.arm == r.arm.replace("-decs", ""))]
+        if len(van):
+            rows.append({"variant": r.variant, "T": r.temperature, "vanilla": van["depth_speedup"].iloc[0],
+                         "decs": r.depth_speedup})
+    if rows:
+        t = pd.DataFrame(rows).groupby(["variant", "T"]).mean().reset_index()
+        labels = [f"{v}\nT={T:g}" for v, T in zip(t["variant"], t["T"])]
+        x = range(len(t))
+        axes[2].bar([i - 0.2 for i in x], t["vanilla"], 0.4, label="vanilla")
+        axes[2].bar([i + 0.2 for i in x], t["decs"], 0.4, label="DECS")
+        axes[2].set_xticks(list(x), labels, fontsize=6)
+        axes[2].legend(fontsize=7)
+    axes[2].set_title("vanilla vs DECS")
+    axes[2].set_ylabel("depth-side speedup")
+    _save(fig, path)

@@ -26,6 +26,7 @@ def build_report(
     provenance: dict,
     config_name: str,
     prompt_errors: int,
+    sections: list[str] | None = None,
 ) -> str:
     """Write the Markdown summary page and return its text.
 
@@ -36,6 +37,7 @@ def build_report(
         provenance: git sha/dirty, config hash, run ids, versions (from the raw rows).
         config_name: config file(s) the run used.
         prompt_errors: prompts that could not be measured (logged as error rows).
+        sections: extra Markdown lines (method sections, e.g. DEX) placed before the table index.
     """
     out = Path(out)
     td = Path(tables_dir)
@@ -123,6 +125,7 @@ def build_report(
               "Batch 1, greedy, KV cache, warm-up prompts excluded; decode tokens/s excludes the first "
               "(prefill) token. Wall-clock on this machine, noisy: compare only ratios within one run.", "",
               _fmt(ar), ""]
+    lines += list(sections or [])
     lines += ["## Tables", ""]
     for p in sorted(td.glob("*.csv")):
         lines.append(f"- [{p.stem}]({_rel(p, base)}) ([md]({_rel(p.with_suffix('.md'), base)}))")

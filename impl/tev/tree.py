@@ -1,0 +1,326 @@
+"""Rooted, prefix-closed draft trees (TEV paper, Sec. 3 "Fixed-tree setup", Fig. 2).
+
+A tree of N nodes is stored as two integer sequences of length N:
+
+* ``parents[v]``: the parent pa(v) of node v; the root r is node 0 with ``parents[0] == -1``, and
+  nodes are numbered in topological order (``0 <= parents[v] < v`` for every v >= 1), which every
+  best-first or level-wise builder produces naturally and which makes cycles impossible;
+* ``tokens[v]``: the incoming draft token x_v of node v (>= 0); the root's entry is the last
+  committed token (the token the root's tree-forward row is fed), or -1 when not needed.
+
+Node v represents the speculative prefix pi(v) = (x_{v_1}, ..., x_{v_d}) along its root path, with
+depth d = |pi(v)| (root depth 0). Sibling tokens must be distinct (Sec. 3 and App. A: "Sibling
+edges carry distinct draft tokens"), so every prefix appears at most once.
+
+For the single target forward that verifies the tree, the root row is fed the last committed token
+at position ``prefix_len`` (the committed prefix before it, of length ``prefix_len``, sits in the KV
+cache), and every node v is fed x_v at position ``prefix_len + depth(v)``, attending to the whole
+committed prefix, to its ancestors and to itself. Row v's logits then give p_v = p(. | c, pi(v))
+(Eq. 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+IntSeq = Sequence[int] | torch.Tensor
+
+
+def _as_int_list(x: IntSeq, name: str) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+        if x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {x.dtype}")
+        return [int(t) for t in x.tolist()]
+    out = []
+    for t in x:
+        if isinstance(t, bool) or int(t) != t:
+            raise ValueError(f"{name} must hold integers, got {t!r}")
+        out.append(int(t))
+    return out
+
+
+def validate_tree(parents: IntSeq, tokens: IntSeq) -> tuple[list[int], list[int], list[int]]:
+    """Check that ``(parents, tokens)`` describe a valid draft tree and return its depths.
+
+    Args:
+        parents: N parent indices (list/tuple of int or a 1-D integer tensor): ``parents[0] == -1``
+            (node 0 is the root) and ``0 <= parents[v] < v`` for v >= 1 (topological numbering).
+        tokens: N incoming tokens; ``tokens[v] >= 0`` for v >= 1, ``tokens[0] >= -1``.
+
+    Returns:
+        ``(parents, tokens, depths)`` as plain ``list[int]`` of length N (root depth 0).
+
+    Raises:
+        ValueError: empty tree, length mismatch, non-integer entries, a root that is not node 0, a
+            parent index out of topological order, a negative draft token, or two siblings carrying
+            the same token (the message names the offending node).
+    """
+    par = _as_int_list(parents, "parents")
+    tok = _as_int_list(tokens, "tokens")
+    if not par:
+        raise ValueError("a draft tree needs at least the root node")
+    if len(par) != len(tok):
+        raise ValueError(f"parents has {len(par)} entries but tokens has {len(tok)}")
+    if par[0] != -1:
+        raise ValueError(f"node 0 must be the root with parent -1, got parent {par[0]}")
+    if tok[0] < -1:
+        raise ValueError(f"root token must be a token id or -1, got {tok[0]}")
+    depths = [0] * len(par)
+    seen: set[tuple[int, int]] = set()
+    for v in range(1, len(par)):
+        p = par[v]
+        if not 0 <= p < v:
+            raise ValueError(
+                f"node {v}: parent {p} is not an earlier node (need 0 <= parent < {v}; only the root "
+                "has parent -1)")
+        if tok[v] < 0:
+            raise ValueError(f"node {v}: draft token must be >= 0, got {tok[v]}")
+        if (p, tok[v]) in seen:
+            raise ValueError(
+                f"node {v}: token {tok[v]} repeats a sibling's token under parent {p} "
+                "(sibling tokens must be distinct)")
+        seen.add((p, tok[v]))
+        depths[v] = depths[p] + 1
+    return par, tok, depths
+
+
+def depth_levels(depths: Sequence[int]) -> list[torch.Tensor]:
+    """Node ids grouped by depth, for level-parallel passes (TEV App. B, Algorithm 1 line 4).
+
+    Args:
+        depths: N non-negative depths (root depth 0).
+
+    Returns:
+        ``list`` of length max_depth + 1; entry d is an int64 CPU tensor of the node ids at depth d,
+        ascending.
+    """
+    d = torch.as_tensor(list(depths), dtype=torch.long)
+    return [torch.nonzero(d == k).flatten() for k in range(int(d.max()) + 1)]
+
+
+@dataclass
+class DraftTree:
+    """A validated draft tree (TEV Sec. 3): parents, incoming tokens, children and depths.
+
+    Attributes:
+        parents: ``list[int]`` of length N, ``parents[0] == -1``, ``0 <= parents[v] < v``.
+        tokens: ``list[int]`` of length N; ``tokens[0]`` is the last committed token or -1.
+        children: derived, ``children[v]`` lists v's children in ascending id (insertion) order.
+        depths: derived, ``depths[v] = |pi(v)|``.
+
+    Raises:
+        ValueError: from :func:`validate_tree` on construction or :meth:`add_child`.
+    """
+
+    parents: list[int]
+    tokens: list[int]
+    children: list[list[int]] = field(init=False, repr=False)
+    depths: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.parents, self.tokens, self.depths = validate_tree(self.parents, self.tokens)
+        self.children = [[] for _ in self.parents]
+        for v in range(1, len(self.parents)):
+            self.children[self.parents[v]].append(v)
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def root_only(cls, root_token: int = -1) -> "DraftTree":
+        """A tree with just the root (no draft tokens; every verifier then only draws a bonus).
+
+        Raises:
+            ValueError: if ``root_token < -1``.
+        """
+        return cls([-1], [root_token])
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]], root_token: int = -1) -> "DraftTree":
+        """The smallest prefix-closed tree containing every token sequence in ``paths``.
+
+        Args:
+            paths: draft continuations (token id sequences after the root); shared prefixes are
+                merged, so the result is a trie. Nodes are numbered in order of first appearance.
+            root_token: the last committed token, or -1.
+
+        Raises:
+            ValueError: on a negative token id.
+        """
+        tree = cls.root_only(root_token)
+        for path in paths:
+            v = 0
+            for t in path:
+                v = tree.child_with_token(v, int(t))
+        return tree
+
+    def child_with_token(self, v: int, token: int) -> int:
+        """Return v's child carrying ``token``, adding it (as a new last node) if absent.
+
+        Raises:
+            ValueError: as :meth:`add_child`.
+        """
+        for u in self.children[v]:
+            if self.tokens[u] == token:
+                return u
+        return self.add_child(v, token)
+
+    def add_child(self, parent: int, token: int) -> int:
+        """Append a new node with incoming ``token`` under ``parent``; return its id (= old N).
+
+        Raises:
+            ValueError: if ``parent`` is not a node, ``token < 0``, or a sibling already carries
+                ``token`` (the message names the parent and the existing sibling).
+        """
+        parent, token = int(parent), int(token)
+        if not 0 <= parent < len(self.parents):
+            raise ValueError(f"parent {parent} is not a node of this {len(self.parents)}-node tree")
+        if token < 0:
+            raise ValueError(f"draft token must be >= 0, got {token}")
+        for u in self.children[parent]:
+            if self.tokens[u] == token:
+                raise ValueError(
+                    f"node {len(self.parents)}: token {token} repeats sibling node {u} under parent "
+                    f"{parent} (sibling tokens must be distinct)")
+        v = len(self.parents)
+        self.parents.append(parent)
+        self.tokens.append(token)
+        self.depths.append(self.depths[parent] + 1)
+        self.children.append([])
+        self.children[parent].append(v)
+        return v
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        """The largest node depth (0 for a root-only tree)."""
+        return max(self.depths)
+
+    def levels(self) -> list[torch.Tensor]:
+        """Node ids by depth: a list of int64 tensors (see :func:`depth_levels`)."""
+        return depth_levels(self.depths)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node ids on the root-to-``node`` path, root first and ``node`` last.
+
+        Raises:
+            ValueError: if ``node`` is not a node of the tree.
+        """
+        return path_to(self.parents, node)
+
+    def path_tokens(self, node: int) -> list[int]:
+        """pi(node) (Sec. 3): the draft tokens along the root-to-``node`` path, root token excluded.
+
+        Raises:
+            ValueError: if ``node`` is not a node of the tree.
+        """
+        return [self.tokens[u] for u in self.path_to(node)[1:]]
+
+    def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Boolean ``[N, N]``: entry ``[i, j]`` is True iff j is i or an ancestor of i (see
+        :func:`ancestor_mask`)."""
+        return ancestor_mask(self.parents, device=device)
+
+    def position_ids(self, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 ``[1, N]`` absolute positions ``prefix_len + depth(v)`` of the tree rows.
+
+        Raises:
+            ValueError: if ``prefix_len < 0``.
+        """
+        if prefix_len < 0:
+            raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+        return (torch.tensor(self.depths, dtype=torch.long, device=device) + prefix_len).unsqueeze(0)
+
+    def attention_mask(self, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """4D boolean mask ``[1, 1, N, prefix_len + N]`` (see :func:`tree_attention_mask`)."""
+        return tree_attention_mask(self.parents, prefix_len, device=device)
+
+    def input_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 ``[1, N]`` tokens fed to the tree rows (``tokens``; the root's must be set).
+
+        Raises:
+            ValueError: if the root token is -1 (the root row needs the last committed token).
+        """
+        if self.tokens[0] < 0:
+            raise ValueError("the root token is -1: set it to the last committed token to run the tree")
+        return torch.tensor([self.tokens], dtype=torch.long, device=device)
+
+
+def path_to(parents: IntSeq, node: int) -> list[int]:
+    """Root-to-``node`` node ids (root first) for a parent array with ``parents[0] == -1``.
+
+    Raises:
+        ValueError: if ``node`` is out of range or the parent chain does not reach the root.
+    """
+    par = parents.tolist() if isinstance(parents, torch.Tensor) else parents
+    node = int(node)
+    if not 0 <= node < len(par):
+        raise ValueError(f"node {node} is not in a {len(par)}-node tree")
+    path = [node]
+    while par[path[-1]] != -1:
+        nxt = int(par[path[-1]])
+        if not 0 <= nxt < len(par) or len(path) >= len(par):
+            raise ValueError(f"the parent chain of node {node} does not reach the root")
+        path.append(nxt)
+    return path[::-1]
+
+
+def ancestor_mask(parents: IntSeq, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Ancestor-or-self matrix of a draft tree, built level by level.
+
+    Args:
+        parents: N parent indices (validated with :func:`validate_tree` rules).
+
+    Returns:
+        bool ``[N, N]``: ``[i, j]`` is True iff node j lies on the root-to-i path (j == i included).
+
+    Raises:
+        ValueError: on an invalid parent array.
+    """
+    par = _as_int_list(parents, "parents")
+    par, _, depths = validate_tree(par, _dummy_tokens(par))
+    n = len(par)
+    pt = torch.tensor(par, dtype=torch.long, device=device)
+    mask = torch.eye(n, dtype=torch.bool, device=device)
+    for nodes in depth_levels(depths)[1:]:
+        nodes = nodes.to(device)
+        mask[nodes] |= mask[pt[nodes]]
+    return mask
+
+
+def _dummy_tokens(par: list[int]) -> list[int]:
+    # distinct per node, so the sibling check cannot fire when only the parents are validated
+    return [-1] + list(range(len(par) - 1))
+
+
+def tree_attention_mask(parents: IntSeq, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """4D boolean attention mask for one target forward over ``[committed prefix | tree]``.
+
+    The queries are the N tree rows; the keys are the ``prefix_len`` cached prefix positions followed
+    by the N tree rows. Every tree row sees the whole prefix, its ancestors and itself (True = attend,
+    the transformers 5 boolean-mask convention). Use with :meth:`DraftTree.position_ids`.
+
+    Args:
+        parents: N parent indices (root 0 with parent -1, topological order).
+        prefix_len: number of committed tokens already in the KV cache (>= 0).
+
+    Returns:
+        bool ``[1, 1, N, prefix_len + N]``.
+
+    Raises:
+        ValueError: on an invalid parent array or ``prefix_len < 0``.
+    """
+    if prefix_len < 0:
+        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+    anc = ancestor_mask(parents, device=device)
+    n = anc.shape[0]
+    prefix = torch.ones(n, prefix_len, dtype=torch.bool, device=device)
+    return torch.cat([prefix, anc], dim=1)[None, None]

@@ -1,0 +1,75 @@
+"""DEX benchmark cell: arms, AR verdicts, rounds identity in the rows, and the DEX tables."""
+
+import pytest
+
+from impl.config import DEX_DEFAULTS
+from impl.dex.cell import Arm, adapter_depths, dex_arms, exploration_sets, predicted_match_index, run_cell, set_name
+from impl.report.dex import dex_tables
+
+
+def _cfg(**kw):
+    import copy
+
+    d = copy.deepcopy(DEX_DEFAULTS)
+    d.update(models=["m"], workloads=["gsm8k"], **kw)
+    return d
+
+
+def test_arms_and_sets():
+    d = _cfg(explorers=[2, 4], exploration_sets=[[2, 5, 12]])
+    sets = exploration_sets(d, 12)
+    assert sets == [(6, 12), (3, 6, 9, 12), (2, 5, 12)]
+    assert set_name((3, 6, 9, 12), 12) == "dex-1/4" and set_name((2, 5, 12), 12) == "dex[2,5,12]"
+    names = [a.name for a in dex_arms(d, 12)]
+    assert names[0] == "ar" and "ar@T1" in names
+    assert "dex-1/4-single" in names and "dex-1/2-single" not in names  # K = 2 single exit == full
+    assert {"dex-1/4-decs", "dex-1/4@T1", "dex-1/4-decs@T1"} <= set(names)
+    assert adapter_depths(d, 12) == [2, 3, 5, 6, 9]
+    every = exploration_sets(_cfg(explorers=[]), 12)  # [] = every K dividing L
+    assert [len(X) for X in every] == [2, 3, 4, 6, 12] and all(X[-1] == 12 for X in every)
+    with pytest.raises(ValueError):
+        exploration_sets(_cfg(explorers=[5]), 12)
+
+
+def test_predicted_match_index():
+    rows = [{"token_id": 7, "candidates": [1, 7, 2, 7]}, {"token_id": 3, "candidates": [3, 3, 3, 3]},
+            {"token_id": 9, "candidates": [9, 1, 1, 9]}]
+    assert predicted_match_index(rows, (2, 4)) == [0, 0, 1]
+    assert predicted_match_index(rows, (1, 2, 3, 4)) == [1, 0, 0]
+
+
+def test_run_cell_checks_itself(tiny_model):
+    d = _cfg(explorers=[3, 4], decs={"explorers": [4], "temperatures": [0.0, 1.0]})
+    arms = dex_arms(d, 12)
+    prompts = [{"id": "p0", "suite": "gsm8k", "input_ids": [5, 17, 42, 8]},
+               {"id": "p1", "suite": "gsm8k", "input_ids": [1, 2, 3]},
+               {"id": "bad", "suite": "gsm8k", "input_ids": [500]}]
+    rows = run_cell(tiny_model, prompts, arms, max_new_tokens=12, eos=None, seed=3)
+    ok = [r for r in rows if "error" not in r]
+    assert {r["prompt_id"] for r in rows if "error" in r} == {"bad"}
+    assert all(r["ar_match"] for r in ok)
+    ident = [r for r in ok if "rounds_identity" in r]
+    assert len(ident) == 2 * 2 and all(r["rounds_identity"] for r in ident)
+    for r in ok:
+        if r["method"] == "ar":
+            assert r["critical_layers_total"] == 12 * r["n_new_tokens"]
+    # the EAD oracle bounds every DEX arm on the layer accounting (first match over X >= EAD)
+    for pid in ("p0", "p1"):
+        oracle = next(r for r in ok if r["prompt_id"] == pid and r["arm"] == "ead_oracle")
+        for r in ok:
+            if r["prompt_id"] == pid and r["method"] == "dex" and r["temperature"] == 0:
+                assert r["critical_layers_total"] >= oracle["critical_layers_total"]
+    for r in rows:
+        r.update(kind="decode", variant="m", num_layers=12)
+    t = dex_tables(rows, [])
+    arms_t = t["dex_arms"]
+    assert arms_t["ar_match_all"].all()
+    assert set(t["dex_claims"]["claim"]) == {"full exploration above single exit", "DECS above vanilla"}
+    assert set(t["dex_overhead"]["K"]) == {3, 4}
+    assert not t["dex_walltime_model"].empty
+
+
+def test_missing_ar_arm_is_an_error(tiny_model):
+    with pytest.raises(ValueError, match="no AR arm"):
+        run_cell(tiny_model, [], [Arm("x", "dex", {"exploration_set": [6, 12]}, 1.0)], max_new_tokens=2,
+                 eos=None, seed=0)

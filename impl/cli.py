@@ -355,7 +355,8 @@ def cmd_dex_tables(args) -> None:
 
     rows = [r for f in args.cells for r in read_jsonl(f)]
     summaries = [json.loads(Path(f).read_text()) for f in args.adapters]
-    for name, df in dex_tables(rows, summaries).items():
+    dist = [r for f in args.distributed for r in read_jsonl(f)]
+    for name, df in dex_tables(rows, summaries, dist).items():
         write_table(df, Path(args.out_dir) / name)
     log.info("DEX tables from %d cells -> %s", len(args.cells), args.out_dir)
 
@@ -542,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("dex-tables", cmd_dex_tables, "DEX tables (Fig. 3/4, Table 1, claims, walltime model) from cell rows")
     sp.add_argument("--cells", nargs="+", required=True, help="dex-cell row files")
     sp.add_argument("--adapters", nargs="*", default=[], help="adapter training summaries")
+    sp.add_argument("--distributed", nargs="*", default=[], help="rows of python -m impl.dex.distributed")
     sp.add_argument("--out-dir", required=True)
     sp = add("dex-figures", cmd_dex_figures, "DEX Fig. 3 / Fig. 4 shapes from the DEX tables")
     sp.add_argument("--tables-dir", required=True)

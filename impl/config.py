@@ -169,6 +169,14 @@ SCHEMA: dict[str, Any] = {
                                      "description": "extra (non-uniform) exploration sets"},
                 "dedupe": {"type": "boolean", "description": "merge repeated candidates of one slot (lossless)"},
                 "single_exit": {"type": "boolean", "description": "single-exit ablation for every K > 2"},
+                "distributed": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "description": "multi-process runs (one torch.distributed rank per explorer) on the first "
+                                   "dex model and workload, measuring communication per round",
+                    "properties": {"explorers": {"type": "array", "items": {"type": "integer", "minimum": 2}},
+                                   "n_prompts": _POS_INT, "max_new_tokens": _POS_INT},
+                },
                 "decs": {
                     "type": "object",
                     "additionalProperties": False,
@@ -236,7 +244,8 @@ DEFAULTS: dict[str, Any] = {
 }
 DEX_DEFAULTS: dict[str, Any] = {
     "n_prompts": 8, "max_new_tokens": 64, "stop_at_eos": True, "explorers": [], "exploration_sets": [],
-    "dedupe": True, "single_exit": True, "decs": {"explorers": [4], "temperatures": [0.0, 1.0]},
+    "dedupe": True, "single_exit": True, "distributed": {"explorers": [2, 3], "n_prompts": 2, "max_new_tokens": 32},
+    "decs": {"explorers": [4], "temperatures": [0.0, 1.0]},
     "adapters": {"models": [], "steps": 300, "batch_size": 8, "seq_len": 256, "lr": 5e-3,
                  "position_fraction": 0.25, "max_chars": 4_000_000, "threads": 2},
     "baselines": {"tune_prompts": 3,
@@ -373,6 +382,9 @@ def _check_dex(out: dict[str, Any]) -> None:
         for i, k in enumerate(d["explorers"]):
             if L % k:
                 raise ConfigError(f"config: 'dex.explorers[{i}]' = {k} does not divide tiny_arch.num_layers ({L})")
+        for i, k in enumerate(d["distributed"]["explorers"]):
+            if L % k:
+                raise ConfigError(f"config: 'dex.distributed.explorers[{i}]' = {k} does not divide tiny_arch.num_layers ({L})")
         for i, k in enumerate(d["decs"]["explorers"]):
             if L % k:
                 raise ConfigError(f"config: 'dex.decs.explorers[{i}]' = {k} does not divide tiny_arch.num_layers ({L})")
@@ -442,6 +454,21 @@ def load_config(path: str | Path, *, check_paths: bool = True) -> dict[str, Any]
 def config_from_json(text: str) -> dict[str, Any]:
     """Parse a validated config passed as JSON (how workflow rules hand the config to commands)."""
     return validate_config(json.loads(text), check_paths=False)
+
+
+ADAPTED_SUFFIX = "+ad"
+
+
+def variant_name(model: str, adapted: bool) -> str:
+    """Name of a DEX model variant: the model name, or ``<model>+ad`` with its inducing adapters."""
+    return model + ADAPTED_SUFFIX if adapted else model
+
+
+def split_variant(variant: str) -> tuple[str, bool]:
+    """Inverse of :func:`variant_name`: ``(model, adapted)``."""
+    if variant.endswith(ADAPTED_SUFFIX):
+        return variant[: -len(ADAPTED_SUFFIX)], True
+    return variant, False
 
 
 def model_dir(cfg: dict[str, Any], name: str) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)
 
-from impl.config import ConfigError, model_dir, validate_config  # noqa: E402
+from impl.config import ConfigError, model_dir, split_variant, validate_config, variant_name  # noqa: E402
 from impl.provenance import config_hash  # noqa: E402
 
 try:
@@ -52,6 +52,16 @@ def sig(*keys, **extra):
 def model_path(wildcards):
     """Directory of model {model}: trained by rule train_model (tiny) or given by path (pretrained)."""
     return str(model_dir(CFG, wildcards.model))
+
+
+def dex_cell_inputs(w):
+    """Inputs of a DEX cell; an adapted variant (impl.dex.cell.variant_name) adds the model's inducing
+    adapters (rule train_adapters)."""
+    base, adapted = split_variant(w.variant)
+    d = {"prompts": f"{RESULTS}/workloads/{base}/{w.suite}.jsonl", "model": str(model_dir(CFG, base))}
+    if adapted:
+        d["adapters"] = f"{MODELS}/adapters/{base}"
+    return d
 
 
 EAD_MODELS = CFG["ead"]["models"]

@@ -1,16 +1,14 @@
 # DEX depth-axis experiments (Fig. 3, Fig. 4, Table 1 shapes): inducing adapters for standard models,
 # one benchmark cell per (model variant, workload), then DEX tables and figures for the report.
-# A variant is a model name, or "<model>+ad" for a model of dex.adapters.models with its adapters.
+# A variant is a model name, or the adapted variant (impl.dex.cell.variant_name) of a model of
+# dex.adapters.models with its inducing adapters.
 DEX = CFG.get("dex")
 if DEX:
-    DEX_VARIANTS = DEX["models"] + [f"{m}+ad" for m in DEX["adapters"]["models"]]
+    DEX_VARIANTS = DEX["models"] + [variant_name(m, True) for m in DEX["adapters"]["models"]]
     DEX_CELLS = expand(f"{RESULTS}/dex/{{variant}}/{{suite}}.jsonl", variant=DEX_VARIANTS, suite=DEX["workloads"])
 
     wildcard_constraints:
         variant="|".join(map(re.escape, DEX_VARIANTS)),
-
-    def _base_model(variant):
-        return variant[:-3] if variant.endswith("+ad") else variant
 
     rule train_adapters:
         conda:
@@ -34,18 +32,11 @@ if DEX:
             "python -m impl train-adapters --config-json @{params.cfg} --quiet --model-dir {input.model} "
             "--out {output.adapters} --summary {output.summary} 2> {log}"
 
-    def _cell_inputs(w):
-        base = _base_model(w.variant)
-        d = {"prompts": f"{RESULTS}/workloads/{base}/{w.suite}.jsonl", "model": str(model_dir(CFG, base))}
-        if w.variant.endswith("+ad"):
-            d["adapters"] = f"{MODELS}/adapters/{base}"
-        return d
-
     rule dex_cell:
         conda:
             "../env.yaml"
         input:
-            unpack(_cell_inputs),
+            unpack(dex_cell_inputs),
         output:
             f"{RESULTS}/dex/{{variant}}/{{suite}}.jsonl",
         params:
@@ -63,7 +54,52 @@ if DEX:
             "python -m impl dex-cell --config-json @{params.cfg} --quiet --variant {wildcards.variant} "
             "--model-dir {input.model} {params.adapters} --prompts {input.prompts} --out {output} 2> {log}"
 
-    DEX_TABLE_NAMES = ["dex_arms", "dex_claims", "dex_overhead", "dex_walltime_model", "dex_tuning", "dex_adapters"]
+    DIST = DEX["distributed"]
+    DIST_MODEL, DIST_SUITE = DEX["models"][0], DEX["workloads"][0]
+    DIST_RUNS = expand(f"{RESULTS}/dex/distributed/{DIST_MODEL}/K{{k}}.jsonl", k=DIST["explorers"])
+
+    rule dex_prompts_head:
+        input:
+            f"{RESULTS}/workloads/{DIST_MODEL}/{DIST_SUITE}.jsonl",
+        output:
+            f"{RESULTS}/dex/distributed/{DIST_MODEL}/prompts.jsonl",
+        params:
+            n=DIST["n_prompts"] + 1,  # + 1 warm-up prompt
+        log:
+            f"{LOGS}/dex/distributed/prompts.log",
+        conda:
+            "../env.yaml"
+        shell:
+            "(head -n {params.n} {input} > {output}.tmp && mv {output}.tmp {output}) 2> {log}"
+
+    rule dex_distributed:
+        conda:
+            "../env.yaml"
+        input:
+            prompts=rules.dex_prompts_head.output,
+            model=str(model_dir(CFG, DIST_MODEL)),
+        output:
+            f"{RESULTS}/dex/distributed/{DIST_MODEL}/K{{k}}.jsonl",
+        params:
+            n=DIST["max_new_tokens"],
+            seed=CFG["seed"],
+            eos="" if DEX["stop_at_eos"] else "--ignore-eos",
+            dedupe="--dedupe" if DEX["dedupe"] else "",
+        threads: 2
+        log:
+            f"{LOGS}/dex/distributed/K{{k}}.log",
+        resources:
+            mem_mb=8000,
+            runtime=60,
+            gpus=lambda w: int(w.k),
+        shell:
+            "OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node {wildcards.k} "
+            "-m impl.dex.distributed --model {input.model} --prompts {input.prompts} --out {output} "
+            "--max-new-tokens {params.n} --seed {params.seed} {params.eos} {params.dedupe} --warmup-prompts 1 "
+            "--device auto 2> {log}"
+
+    DEX_TABLE_NAMES = ["dex_arms", "dex_claims", "dex_overhead", "dex_walltime_model", "dex_tuning", "dex_adapters",
+                       "dex_distributed"]
     DEX_FIGURE_NAMES = ["dex_fig3", "dex_fig4"]
 
     rule dex_tables:
@@ -72,14 +108,16 @@ if DEX:
         input:
             cells=DEX_CELLS,
             adapters=expand(f"{RESULTS}/dex/adapters/{{model}}.json", model=DEX["adapters"]["models"]),
+            distributed=DIST_RUNS,
         output:
             expand(f"{RESULTS}/tables/dex/{{name}}.{{ext}}", name=DEX_TABLE_NAMES, ext=["csv", "md"]),
         params:
-            out=f"{RESULTS}/tables/dex",
+            out=lambda w, output: os.path.dirname(output[0]),
         log:
             f"{LOGS}/dex/tables.log",
         shell:
-            "python -m impl dex-tables --cells {input.cells} --adapters {input.adapters} --out-dir {params.out} 2> {log}"
+            "python -m impl dex-tables --cells {input.cells} --adapters {input.adapters} --distributed {input.distributed} "
+            "--out-dir {params.out} 2> {log}"
 
     rule dex_figures:
         conda:
@@ -89,8 +127,8 @@ if DEX:
         output:
             expand(f"{FIGURES}/{{name}}.png", name=DEX_FIGURE_NAMES),
         params:
-            tables=f"{RESULTS}/tables/dex",
-            out=FIGURES,
+            tables=lambda w, input: os.path.dirname(input[0]),
+            out=lambda w, output: os.path.dirname(output[0]),
         log:
             f"{LOGS}/dex/figures.log",
         shell:

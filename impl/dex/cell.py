@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..ead.accounting import uniform_exploration_set, validate_exploration_set
+from ..config import ADAPTED_SUFFIX, split_variant, variant_name  # noqa: F401  (re-exported)
 from ..ead.measure import measure_prompt
 from ..methods import build_method
 from ..spec.sampling import DecodeRule
@@ -257,5 +258,5 @@ def run_cell(model, prompts: list[dict], arms: list[Arm], *, max_new_tokens: int
     return rows
 
 
-__all__ = ["Arm", "exploration_sets", "adapter_depths", "set_name", "dex_arms", "baseline_grid", "depth_speedup",
+__all__ = ["ADAPTED_SUFFIX", "variant_name", "split_variant", "Arm", "exploration_sets", "adapter_depths", "set_name", "dex_arms", "baseline_grid", "depth_speedup",
            "tune_baselines", "predicted_match_index", "run_cell"]

@@ -209,13 +209,51 @@ def adapters_table(summaries: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def dex_tables(rows: list[dict], adapter_summaries: list[dict]) -> dict[str, pd.DataFrame]:
-    """All DEX tables from raw cell rows (and adapter training summaries)."""
+def comm_per_round(distributed_rows: list[dict]) -> dict[int, float]:
+    """Mean measured communication seconds per explorer round, by K, from the rows of the
+    torch.distributed executor (``python -m impl.dex.distributed``)."""
+    acc: dict[int, list[float]] = {}
+    for r in distributed_rows:
+        if "error" in r or not r.get("round_comm_seconds"):
+            continue
+        acc.setdefault(len(r["exploration_set"]), []).extend(r["round_comm_seconds"])
+    return {k: float(np.mean(v)) for k, v in acc.items() if v}
+
+
+def distributed_table(distributed_rows: list[dict]) -> pd.DataFrame:
+    """Per K: rounds, mean slowest-explorer and communication ms per round, and the AR verdict of the
+    multi-process runs."""
+    out = []
+    for r in distributed_rows:
+        if "error" in r:
+            continue
+        R = len(r.get("round_comm_seconds") or [])
+        out.append({"K": len(r["exploration_set"]), "prompt_id": r.get("prompt_id", r.get("id")), "rounds": R,
+                    "tokens": len(r["token_ids"]), "critical_path_ms_per_round": 1000 * r["critical_path_seconds"] / max(R, 1),
+                    "comm_ms_per_round": 1000 * r["comm_seconds"] / max(R, 1), "ar_match": r.get("ar_match")})
+    if not out:
+        return pd.DataFrame(columns=["K", "prompts", "rounds", "critical_path_ms_per_round", "comm_ms_per_round",
+                                     "ar_match_all"])
+    d = pd.DataFrame(out)
+    return d.groupby("K").agg(prompts=("prompt_id", "count"), rounds=("rounds", "sum"),
+                              critical_path_ms_per_round=("critical_path_ms_per_round", "mean"),
+                              comm_ms_per_round=("comm_ms_per_round", "mean"),
+                              ar_match_all=("ar_match", "all")).reset_index()
+
+
+def dex_tables(rows: list[dict], adapter_summaries: list[dict],
+               distributed_rows: list[dict] | None = None) -> dict[str, pd.DataFrame]:
+    """All DEX tables from raw cell rows, adapter training summaries and the multi-process runs (whose
+    measured communication per round is added to the projected K-device time for the K measured)."""
     df = _frame(_decode_rows(rows))
+    comm = comm_per_round(distributed_rows or [])
+    df["comm_seconds"] = [r * comm[int(k)] if not np.isnan(k) and int(k) in comm and not np.isnan(r) else np.nan
+                          for k, r in zip(df["K"], df["rounds_total"])]
     arms = arms_table(df)
     return {"dex_arms": arms, "dex_claims": claims_table(df, arms), "dex_overhead": overhead_table(df),
             "dex_walltime_model": walltime_model_table(df, _decode_rows(rows)), "dex_tuning": tuning_table(rows),
-            "dex_adapters": adapters_table(adapter_summaries)}
+            "dex_adapters": adapters_table(adapter_summaries),
+            "dex_distributed": distributed_table(distributed_rows or [])}
 
 
 __all__ = ["dex_tables", "arms_table", "claims_table", "overhead_table", "walltime_model_table", "tuning_table",
@@ -238,6 +276,7 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
     read = lambda n: pd.read_csv(td / f"{n}.csv") if (td / f"{n}.csv").stat().st_size > 1 else pd.DataFrame()  # noqa: E731
     arms, claims = read("dex_arms"), read("dex_claims")
     over, wall, adapters = read("dex_overhead"), read("dex_walltime_model"), read("dex_adapters")
+    dist = read("dex_distributed") if (td / "dex_distributed.csv").is_file() else pd.DataFrame()
     lines = ["## DEX: depth exploration decoding (Fig. 3, Fig. 4, Table 1 shapes)", ""]
     dec = arms[~arms.arm.str.endswith("oracle")]
     ok = bool(dec["ar_match_all"].all())
@@ -274,6 +313,13 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
                   "Average ms per explorer round on this machine (reference executor: expansion is every "
                   "explorer batch of the round run in turn; communication only where measured).", "",
                   _md(over), ""]
+    if len(dist):
+        ok = bool(dist["ar_match_all"].astype(str).str.lower().eq("true").all())
+        lines += ["### Multi-process explorers (torch.distributed, one rank per explorer)", "",
+                  f"- token ids equal AR on every prompt: **{'PASS' if ok else 'FAIL'}**", "",
+                  "Measured on this machine (gloo; ranks share the CPU cores, so communication includes "
+                  "scheduling); this communication per round is what `projected_speedup` adds for these K.", "",
+                  _md(dist), ""]
     if len(wall):
         lines += ["### Walltime model (App. B), calibrated", "",
                   "c = per-layer cost fitted on explorer batch times; delta_AR and delta_X are AR's and DEX's "

@@ -277,6 +277,17 @@ def cmd_decode(args) -> None:
     model = load_model(args.model_dir)
     tok = load_tokenizer(args.model_dir)
     params: dict = {}
+    if args.params:
+        if args.method in ("ar", "dex"):
+            raise SystemExit("error: --params applies to the baselines (self_spec, adadecode, dynamic_exit)")
+        try:
+            params = json.loads(args.params)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: --params is not valid JSON: {e}") from None
+        if not isinstance(params, dict):
+            raise SystemExit("error: --params must be a JSON object")
+    elif args.method in ("self_spec", "adadecode"):
+        raise SystemExit(f"error: --method {args.method} needs --params (see python -m impl decode --help)")
     if args.method == "dex":
         try:
             params = {"exploration_set": parse_exploration_set(args.exploration_set, args.explorers,
@@ -291,8 +302,11 @@ def cmd_decode(args) -> None:
         from .models.adapters import load_adapters
 
         adapters = load_adapters(args.adapters, model)
-    rows = decode_prompts(model, tok, read_jsonl(args.prompts), args.method, params, rule, args.max_new_tokens,
-                          eos, progress=not args.quiet, adapters=adapters)
+    try:
+        rows = decode_prompts(model, tok, read_jsonl(args.prompts), args.method, params, rule, args.max_new_tokens,
+                              eos, progress=not args.quiet, adapters=adapters)
+    except (KeyError, TypeError) as e:
+        raise SystemExit(f"error: bad --params for {args.method}: {e}") from None
     prov = provenance({"method": args.method, **{k: str(v) for k, v in params.items()}}, seed=args.seed)
     for r in rows:
         r.update(model_dir=str(args.model_dir), **prov)
@@ -516,9 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompts", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--max-new-tokens", type=int, help="override ar_bench.max_new_tokens")
-    sp = add("decode", cmd_decode, "decode a prompt file with one method (ar, dex); each row checked against AR")
+    sp = add("decode", cmd_decode, "decode a prompt file with one method (ar, dex, self_spec, adadecode, dynamic_exit); each row checked against AR")
     sp.add_argument("--model-dir", required=True)
-    sp.add_argument("--method", required=True, choices=["ar", "dex"])
+    sp.add_argument("--method", required=True, choices=["ar", "dex", "self_spec", "adadecode", "dynamic_exit"])
+    sp.add_argument("--params", help="baseline parameters as JSON, e.g. '{\"exit_layer\": 4, \"num_speculations\": 4}'")
     sp.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids or text")
     sp.add_argument("--out", required=True)
     sp.add_argument("--max-new-tokens", type=int, default=64)

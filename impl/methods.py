@@ -13,7 +13,12 @@ from typing import Any, Callable
 from .spec.ar import ar_decode
 from .spec.sampling import DecodeRule
 
-METHODS = ("ar", "dex")
+METHODS = ("ar", "dex", "self_spec", "adadecode", "dynamic_exit")
+BASELINE_PARAMS = {
+    "self_spec": ("exit_layer", "num_speculations"),
+    "adadecode": ("shortcut_layers", "threshold", "num_speculations"),
+    "dynamic_exit": ("exit_layers", "num_speculations", "confidence_threshold"),
+}
 
 
 def parse_exploration_set(text: str | None, explorers: int | None, L: int) -> tuple[int, ...]:
@@ -44,6 +49,10 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
     ``stopped_at_eos`` and ``critical_layers_total``: the depth-side critical path of the whole
     generation in decoder layers (DEX Prop. 7 accounting: layers that must run one after another;
     AR charges L per token).
+
+    Baselines (DEX Sec. 4, App. D): ``self_spec`` (LayerSkip self-speculation: ``exit_layer``,
+    ``num_speculations``), ``adadecode`` (``shortcut_layers``, ``threshold``, ``num_speculations``),
+    ``dynamic_exit`` (DEL: optional ``exit_layers``, ``num_speculations``, ``confidence_threshold``).
 
     Params (DEX): ``exploration_set`` (tuple of depths), ``decs`` (bool), ``single_exit`` (bool),
     ``dedupe`` (bool); ``adapters``: inducing adapters by depth (DEX App. C.2), the ones at the
@@ -98,6 +107,38 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
                 "exploration_set": list(X),
             }
         return run_dex
+    if name in BASELINE_PARAMS:
+        unknown = sorted(set(params) - set(BASELINE_PARAMS[name]))
+        if unknown:
+            raise ValueError(f"{name}: unknown parameter(s) {unknown}; allowed: {', '.join(BASELINE_PARAMS[name])}")
+        if name == "self_spec":
+            from .spec.self_spec import self_spec_decode
+
+            call = lambda ids, n, eos: self_spec_decode(  # noqa: E731
+                model, ids, n, exit_layer=params["exit_layer"], num_speculations=params["num_speculations"],
+                rule=rule, eos_token_id=eos)
+        elif name == "adadecode":
+            from .spec.adadecode import adadecode_decode
+
+            call = lambda ids, n, eos: adadecode_decode(  # noqa: E731
+                model, ids, n, shortcut_layers=params["shortcut_layers"], threshold=params["threshold"],
+                max_speculations=params["num_speculations"], rule=rule, eos_token_id=eos)
+        else:
+            from .spec.dynamic_exit import dynamic_exit_decode
+
+            kw = {k: params[k] for k in ("exit_layers", "confidence_threshold") if k in params}
+            if "num_speculations" in params:
+                kw["max_speculations"] = params["num_speculations"]
+            call = lambda ids, n, eos: dynamic_exit_decode(model, ids, n, rule=rule, eos_token_id=eos, **kw)  # noqa: E731
+
+        def run_baseline(ids, n, eos):
+            t0 = time.perf_counter()
+            r = call(ids, n, eos)
+            return {"token_ids": r.tokens, "seconds": time.perf_counter() - t0, "stopped_at_eos": r.stopped_at_eos,
+                    "critical_layers_total": r.critical_layers, "layer_work_total": r.layer_work,
+                    "spec_rounds": len(r.rounds), "drafted": sum(x.drafted for x in r.rounds),
+                    "accepted": sum(x.accepted for x in r.rounds)}
+        return run_baseline
     raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
 
 
@@ -138,4 +179,4 @@ def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: d
     return rows
 
 
-__all__ = ["METHODS", "build_method", "decode_prompts", "parse_exploration_set"]
+__all__ = ["METHODS", "BASELINE_PARAMS", "build_method", "decode_prompts", "parse_exploration_set"]

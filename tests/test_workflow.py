@@ -48,6 +48,28 @@ def test_smoke_report_and_checks(smoke_run):
 
 
 @pytest.mark.slow
+def test_smoke_dex_section(smoke_run):
+    """The DEX rules ran: every arm equals AR, the rounds identity holds, tables and figures exist."""
+    report = (smoke_run / "results" / "REPORT.md").read_text()
+    assert "every DEX arm and baseline equals AR token for token on every prompt" in report
+    assert re.search(r"equals AR token for token on every prompt \(greedy and sampling.*\*\*PASS\*\*", report)
+    assert re.search(r"rounds identity .*\*\*PASS\*\*", report)
+    assert re.search(r"Multi-process explorers.*\n\n- token ids equal AR on every prompt: \*\*PASS\*\*", report)
+    arms = pd.read_csv(smoke_run / "results" / "tables" / "dex" / "dex_arms.csv")
+    assert set(arms["variant"]) == {"tiny-ls", "tiny-std", "tiny-std+ad"}
+    assert {"self_spec", "adadecode", "dynamic_exit", "dex-1/12", "dex-1/4-single", "dex-1/4-decs@T1",
+            "ead_oracle"} <= set(arms["arm"])
+    assert arms["ar_match_all"].all()
+    dex = arms[arms.arm.str.match(r"^dex-1/\d+$")]
+    assert (dex["depth_speedup"] >= 1.0).all()
+    for fig in ("dex_fig3", "dex_fig4"):
+        assert (smoke_run / "figures" / f"{fig}.png").stat().st_size > 1000
+    summary = json.loads((smoke_run / "results" / "dex" / "adapters" / "tiny-std.json").read_text())
+    assert summary["parameters_per_adapter"] == 4 * 64 * 64 + 4 * 64 + 1
+    assert all(summary["after"][d]["kl"] < summary["before"][d]["kl"] for d in summary["after"])
+
+
+@pytest.mark.slow
 def test_smoke_rows_carry_provenance(smoke_run):
     rows = [json.loads(l) for l in (smoke_run / "results" / "ead" / "tiny-ls" / "gsm8k.jsonl").read_text().splitlines()]
     assert rows
@@ -108,7 +130,7 @@ def test_snakemake_bad_config_fails_before_jobs(tmp_path, data_dir):
 def test_cli_help_lists_every_rule_command():
     r = subprocess.run([sys.executable, "-m", "impl", "--help"], capture_output=True, text=True, cwd=ROOT)
     for cmd in ("tokenizer", "corpus", "train", "workload", "tokenize", "ead", "ar-bench", "tables", "figures",
-                "report"):
+                "report", "train-adapters", "dex-cell", "dex-tables", "dex-figures"):
         assert cmd in r.stdout
 
 
@@ -127,4 +149,5 @@ def test_config_edit_reruns_only_affected_rules(smoke_run, data_dir, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     planned = set(re.findall(r"^(?:local)?rule (\w+):", r.stdout, re.M))
     assert "measure_ead" in planned and "report" in planned
-    assert not planned & {"tokenizer", "corpus", "train_model", "workload_text", "workload_tokens", "ar_bench"}
+    assert not planned & {"tokenizer", "corpus", "train_model", "workload_text", "workload_tokens", "ar_bench",
+                          "train_adapters", "dex_cell", "dex_distributed"}

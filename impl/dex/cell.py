@@ -123,7 +123,9 @@ def baseline_grid(dex_cfg: dict, L: int) -> dict[str, list[dict[str, Any]]]:
         grids["adadecode"] = [{"shortcut_layers": shortcuts, "num_speculations": n, "threshold": th}
                               for n, th in itertools.product(ad["num_speculations"], ad["thresholds"])]
     if b.get("dynamic_exit", True):
-        grids["dynamic_exit"] = [{}]
+        # DEL runs its dynamic configuration (no exit/length grid, App. D); only its draft-confidence
+        # threshold is scanned, because a tiny model's readouts are rarely as confident as a 70B's
+        grids["dynamic_exit"] = [{"confidence_threshold": c} for c in (0.0, 0.25, 0.5)]
     return grids
 
 

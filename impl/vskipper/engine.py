@@ -14,7 +14,9 @@ The binding therefore wraps, on the instances only:
 - each manager's ``_create_batch_processor`` is wrapped, so that
 - each batch processor's ``inputs_and_outputs.prepare_batch_tensors`` is wrapped: it reads the
   requests' ids and positions before the original call and, after it, publishes the batch's
-  :class:`~impl.vskipper.skipper.RowMeta` in the model's :class:`~impl.vskipper.routed.RowContext`.
+  :class:`~impl.vskipper.skipper.RowMeta` in the model's :class:`~impl.vskipper.routed.RowContext`,
+  after the context's planner (the mode switch of :mod:`impl.vskipper.mode`, when one is active)
+  has assigned each row its request's mode.
 
 Preparation and the forward run in the same background thread one after the other (synchronous
 batching), so the routed layers always read the metadata of the batch they compute; they also check
@@ -82,7 +84,7 @@ def _hook_ios(ios, ctx: RowContext) -> None:
     def prepare_batch_tensors(requests_in_batch, *args, **kwargs):
         past = [fs.state.position_offset for fs in requests_in_batch]
         result = original(requests_in_batch, *args, **kwargs)
-        ctx.set_rows(rows_of_batch(requests_in_batch, past))
+        ctx.set_rows(ctx.plan(rows_of_batch(requests_in_batch, past)))
         return result
 
     ios.prepare_batch_tensors = prepare_batch_tensors
@@ -230,6 +232,7 @@ def generate_greedy(
     cb_config: ContinuousBatchingConfig | None = None,
     return_logprobs: bool = False,
     timeout_s: float = 600.0,
+    planner=None,
 ):
     """Greedy generation of several requests through the continuous-batching engine.
 
@@ -245,6 +248,10 @@ def generate_greedy(
         return_logprobs: also return each generated token's log-probability (float, as the engine
             computes it from the fp32 logits).
         timeout_s: give up after this many seconds.
+        planner: with ``mode="routed"``, an optional per-batch mode planner ``planner(meta, context)
+            -> RowMeta`` (e.g. a :class:`~impl.vskipper.mode.ModeController`, Sec. 3.3) installed
+            as the context's planner for this call: rows it marks dense run unmodified, a batch with
+            no routed row runs dense. Needs ``allow_block_sharing=False`` (the mode keys prefix reuse).
 
     Returns:
         the generated token ids of each request, in the order of ``prompts``; with
@@ -257,6 +264,8 @@ def generate_greedy(
     """
     if mode not in ("routed", "dense"):
         raise ValueError(f"mode must be 'routed' or 'dense', got {mode!r}")
+    if planner is not None and mode != "routed":
+        raise ValueError("a mode planner needs mode='routed' (it assigns dense rows inside the routed path)")
     ctx = routed_context(model)
     if mode == "routed" and (ctx is None or getattr(model, _BOUND_ATTR, None) is None):
         raise ValueError("mode='routed' needs a model bound with bind_skipper(model, skipper)")
@@ -272,6 +281,8 @@ def generate_greedy(
                                eos_token_id=-1 if eos_token_id is None else eos_token_id)
     # the engine resolves (mutates) the config it gets: work on a copy so callers can reuse theirs
     cb_config = routed_cb_config() if cb_config is None else copy.deepcopy(cb_config)
+    if planner is not None and cb_config.allow_block_sharing:
+        raise ValueError("a mode planner needs allow_block_sharing=False: a request's mode keys its prefix reuse")
     if return_logprobs:
         cb_config.return_logprobs = True
     hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max_new_tokens,
@@ -280,6 +291,9 @@ def generate_greedy(
     dense_cm = ctx.dense_mode(mode == "dense") if ctx is not None else None
     if dense_cm is not None:
         dense_cm.__enter__()
+    prev_planner = None
+    if planner is not None:
+        prev_planner, ctx.planner = ctx.planner, planner
     try:
         manager = model.init_continuous_batching(
             generation_config=gen_cfg, continuous_batching_config=cb_config, workload_hints=hints
@@ -304,6 +318,8 @@ def generate_greedy(
     finally:
         if dense_cm is not None:
             dense_cm.__exit__(None, None, None)
+        if planner is not None:
+            ctx.planner = prev_planner
         if ctx is not None:
             ctx.clear()
 

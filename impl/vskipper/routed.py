@@ -7,11 +7,15 @@ batch of rows ``[1, T, H]`` whose actions a :class:`~impl.vskipper.skipper.Skipp
    ``k_norm`` where it has one, as Qwen3 does, and rotary) and all of them are written to the cache at
    their slots with ONE ``cache.update`` call (Invariant 1: Project-Only rows still write their K/V);
 2. the RUN rows are gathered into one contiguous cohort: their queries attend to the full K/V (the
-   packed mask's RUN rows are selected for sdpa/eager), then the MLP runs on the cohort only, and the
-   results are scattered back;
+   packed mask's RUN rows are selected for sdpa/eager), then the MLP runs on the cohort only, the
+   skipper's ``run_epilogue`` rescales the routed RUN rows (FlexiDepth: ``h + attn + w * mlp``;
+   identity by default; dense rows keep the unmodified output) and the results are scattered back;
 3. the Project-Only rows skip the attention read and the MLP and take the skipper's projector
    (identity by default);
-4. when no row skips (all RUN), the original layer is called unchanged (the all-RUN fast path).
+4. when no row skips (all RUN) and the skipper's RUN output is the unmodified layer's
+   (``Skipper.identity_run``), the original layer is called unchanged (the all-RUN fast path); a
+   batch whose rows are all dense (mode switch, :mod:`impl.vskipper.mode`) runs the original layer
+   without consulting the router.
 
 The same layer serves two callers:
 
@@ -63,6 +67,12 @@ class RowContext:
         meta: the :class:`RowMeta` of the batch being computed, or None between batches.
         dense: when True, routed layers run the original layer without consulting the router (dense
             mode, Sec. 3 "Vocabulary"): the engine runs unmodified.
+        batch_dense: True when the current batch has rows but none of them is routed (every request
+            of the batch is in dense mode): the routed layers then run the original layer without
+            consulting the router, as in dense mode. Derived from ``meta`` whenever it is set.
+        planner: optional callable ``planner(meta, context) -> RowMeta`` that assigns each row its
+            mode (``RowMeta.routed``) before the batch runs; the engine binding applies it through
+            :meth:`plan` (the mode switch, :mod:`impl.vskipper.mode`). None: every row is routed.
         batches: how many batches were described so far.
         record_stats: when True (default), every routed layer call adds its per-phase RUN and
             Project-Only row counts to ``counts`` (one host sync per layer; turn off on accelerators).
@@ -71,17 +81,35 @@ class RowContext:
     """
 
     def __init__(self, record_stats: bool = True):
-        self.meta: RowMeta | None = None
+        self._meta: RowMeta | None = None
+        self.batch_dense = False
+        self.planner = None
         self.dense = False
         self.batches = 0
         self.record_stats = record_stats
         self.counts: dict[tuple[int, int], list[int]] = {}
+
+    @property
+    def meta(self) -> RowMeta | None:
+        """The :class:`RowMeta` of the batch being computed (None between batches)."""
+        return self._meta
+
+    @meta.setter
+    def meta(self, meta: RowMeta | None) -> None:
+        self._meta = meta
+        # one host sync per batch, not per layer
+        self.batch_dense = meta is not None and meta.routed is not None and len(meta) > 0 and not bool(
+            meta.routed_mask.any())
 
     def set_rows(self, meta: RowMeta | None) -> None:
         """Describe the rows of the next batch (None clears)."""
         self.meta = meta
         if meta is not None:
             self.batches += 1
+
+    def plan(self, meta: RowMeta) -> RowMeta:
+        """Apply the :attr:`planner` (if any) to a batch's rows: returns the rows with their modes."""
+        return meta if self.planner is None else self.planner(meta, self)
 
     def clear(self) -> None:
         """Forget the current batch's rows."""
@@ -225,7 +253,7 @@ class RoutedDecoderLayer(nn.Module):
             **kwargs,
         )
         ctx = self.context
-        if ctx.dense:
+        if ctx.dense or ctx.batch_dense:
             return self.layer(hidden_states, **layer_kwargs)
         meta = ctx.meta
         if meta is None:
@@ -259,10 +287,11 @@ class RoutedDecoderLayer(nn.Module):
         x = hidden_states[0]
         run = as_run_mask(self.skipper.route(self.layer_idx, x, meta), n_rows, layer_idx=self.layer_idx,
                           who=type(self.skipper).__name__)
-        run = run | ~meta.routed_mask
+        routed = meta.routed_mask
+        run = run | ~routed
         if ctx.record_stats:
             ctx._record(self.layer_idx, run, meta)
-        if self.fast_path and bool(run.all()):
+        if self.fast_path and bool(run.all()) and (self.skipper.identity_run or not bool(routed.any())):
             return self.layer(hidden_states, **layer_kwargs)
         return self._cohort_forward(hidden_states, run, meta, attention_mask, position_ids, cache, use_cache,
                                     position_embeddings, kwargs)
@@ -323,12 +352,19 @@ class RoutedDecoderLayer(nn.Module):
                 attn, q, k_all, v_all, mask, dropout=0.0, scaling=attn.scaling, **extra, **attn_kwargs
             )
             attn_out = attn.o_proj(attn_out.reshape(1, n_run, -1).contiguous())
-            h_in = hidden_states[:, run_idx]
-            h = h_in + attn_out
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            meta_run = meta.select(run_idx)
-            h = self.skipper.run_epilogue(self.layer_idx, h_in[0], h[0], meta_run)
+            h_in = hidden_states[0, run_idx]  # [n_run, H]
+            h_mid = h_in + attn_out[0]
+            mlp_out = layer.mlp(layer.post_attention_layernorm(h_mid))
+            h = h_mid + mlp_out
             out = out.index_copy(0, run_idx, h.to(out.dtype))
+            if not self.skipper.identity_run:
+                # the epilogue applies to routed RUN rows only: dense rows keep the unmodified output
+                sel = meta.routed_mask[run_idx].nonzero().squeeze(1)
+                if sel.numel():
+                    rows = run_idx[sel]
+                    h_ep = self.skipper.run_epilogue(self.layer_idx, h_in[sel], h[sel], meta.select(rows),
+                                                     hidden_mid=h_mid[sel], mlp_out=mlp_out[sel])
+                    out = out.index_copy(0, rows, h_ep.to(out.dtype))
         if po_idx.numel():
             # (iii) Project-Only rows: no attention read, no MLP; the projector (identity by default)
             proj = self.skipper.project(self.layer_idx, hidden_states[0, po_idx], meta.select(po_idx))
@@ -421,9 +457,11 @@ def remove_routed_layers(model) -> None:
 
 # -- plain PyTorch execution --------------------------------------------------------------------------
 @torch.no_grad()
-def plain_forward(model, input_ids: torch.Tensor, cache, *, request_id: str, prompt_len: int) -> torch.Tensor:
+def plain_forward(model, input_ids: torch.Tensor, cache, *, request_id: str, prompt_len: int,
+                  routed: bool = True) -> torch.Tensor:
     """One plain forward of ``input_ids`` ``[1, S]`` (int64) continuing ``cache`` (a ``DynamicCache``),
-    with the rows described to the routed layers (if any) as request ``request_id``.
+    with the rows described to the routed layers (if any) as request ``request_id``; ``routed=False``
+    marks the rows dense (the request is in dense mode: the layers run unmodified).
 
     Returns:
         ``[1, S, V]`` float logits.
@@ -439,7 +477,7 @@ def plain_forward(model, input_ids: torch.Tensor, cache, *, request_id: str, pro
     ctx = routed_context(model)
     if ctx is None:
         return model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True).logits
-    meta = RowMeta.for_sequence(request_id, start, S, prompt_len, device=input_ids.device)
+    meta = RowMeta.for_sequence(request_id, start, S, prompt_len, routed=routed, device=input_ids.device)
     with ctx.rows(meta):
         return model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True).logits
 
@@ -453,9 +491,15 @@ def plain_greedy(
     max_new_tokens: int,
     eos_token_id: int | None = None,
     return_logits: bool = False,
+    prefill_routed: bool = True,
+    decode_routed=True,
 ):
     """Greedy decoding of one request in plain PyTorch (one prefill forward, then one forward per token)
     with a ``DynamicCache``; routed layers (if installed) see rows of request ``request_id``.
+
+    The request's modes (Sec. 3.3) can be given to replay what a mode switch decided in the engine:
+    ``prefill_routed`` for the prompt rows, ``decode_routed`` for the generated-token rows (a bool, or
+    a callable ``token_idx -> bool`` of the row's absolute position, e.g. a promotion point).
 
     Args:
         model: a causal LM (routed or not).
@@ -478,7 +522,8 @@ def plain_greedy(
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     out: list[int] = []
     all_logits = []
-    logits = plain_forward(model, ids, cache, request_id=request_id, prompt_len=len(prompt_ids))[0, -1]
+    logits = plain_forward(model, ids, cache, request_id=request_id, prompt_len=len(prompt_ids),
+                           routed=bool(prefill_routed))[0, -1]
     while True:
         tok = int(logits.argmax())
         out.append(tok)
@@ -486,5 +531,8 @@ def plain_greedy(
         if len(out) >= max_new_tokens or (eos_token_id is not None and tok == eos_token_id):
             break
         step = torch.tensor([[tok]], dtype=torch.long, device=device)
-        logits = plain_forward(model, step, cache, request_id=request_id, prompt_len=len(prompt_ids))[0, -1]
+        pos = len(prompt_ids) + len(out) - 1
+        routed = decode_routed(pos) if callable(decode_routed) else decode_routed
+        logits = plain_forward(model, step, cache, request_id=request_id, prompt_len=len(prompt_ids),
+                               routed=bool(routed))[0, -1]
     return (out, all_logits) if return_logits else out

@@ -283,6 +283,10 @@ class Skipper(nn.Module):
     """
 
     prefix_shareable: bool = False
+    #: True when a RUN row's output is the unmodified layer's output (``run_epilogue`` is the identity).
+    #: A policy whose epilogue rescales RUN rows (FlexiDepth: ``h + attn + w * mlp``) sets False, and the
+    #: routed layer then never takes the all-RUN fast path on routed rows (it would skip the epilogue).
+    identity_run: bool = True
 
     def __init__(self, routed_layers: Iterable[int]):
         super().__init__()
@@ -336,15 +340,30 @@ class Skipper(nn.Module):
         return hidden if proj is None else proj(hidden)
 
     def run_epilogue(
-        self, layer_idx: int, hidden_in: torch.Tensor, hidden_out: torch.Tensor, meta: RowMeta
+        self,
+        layer_idx: int,
+        hidden_in: torch.Tensor,
+        hidden_out: torch.Tensor,
+        meta: RowMeta,
+        *,
+        hidden_mid: torch.Tensor | None = None,
+        mlp_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hook on the RUN cohort's output before it is scattered back (the "weighted scatter" epilogue,
         Sec. 3.1). Default: ``hidden_out`` unchanged.
 
+        The routed layer calls it for the *routed* RUN rows only: dense rows (``RowMeta.routed`` False)
+        keep the unmodified layer's output, so a dense row in a mixed batch computes exactly what dense
+        mode computes (Sec. 3 "Vocabulary"). Set :attr:`identity_run` False when overriding it.
+
         Args:
             hidden_in: ``[k, H]`` the RUN rows' hidden states entering the layer.
-            hidden_out: ``[k, H]`` their outputs of the full layer.
+            hidden_out: ``[k, H]`` their outputs of the full layer
+                (``hidden_out = hidden_mid + mlp_out``).
             meta: their :class:`RowMeta`.
+            hidden_mid: ``[k, H]`` the attention residual ``hidden_in + attention_out`` (the MLP's input
+                before its norm), passed by :class:`~impl.vskipper.routed.RoutedDecoderLayer`.
+            mlp_out: ``[k, H]`` the MLP's residual contribution.
         """
         return hidden_out
 

@@ -1,0 +1,254 @@
+"""Depth-selection baselines (impl.spec.self_spec / adadecode / dynamic_exit): exactness against AR
+(greedy and position-keyed Gumbel sampling, with and without EOS), round statistics, the layer-work
+accounting on a hand-built model, and parameter validation."""
+
+import copy
+
+import pytest
+import torch
+
+from impl.spec.adadecode import adadecode_decode, uniform_shortcut_layers
+from impl.spec.ar import ar_decode
+from impl.spec.dynamic_exit import dynamic_exit_decode, token_per_layer
+from impl.spec.sampling import DecodeRule
+from impl.spec.self_spec import self_spec_decode
+
+L = 12
+N = 24
+PROMPTS = [[5], [3, 17, 42, 8, 9], list(range(1, 30))]
+
+
+def _eos_cases(model, prompt, rule):
+    """(eos id, AR ids) pairs: no EOS, and an EOS id that AR emits mid-generation."""
+    ar = ar_decode(model, prompt, N, rule=rule).tokens
+    eos = ar[N // 2]
+    ar_eos = ar_decode(model, prompt, N, rule=rule, eos_token_id=eos)
+    assert ar_eos.stopped_at_eos and len(ar_eos.tokens) <= N // 2 + 1
+    return [(None, ar), (eos, ar_eos.tokens)]
+
+
+def _check_spec_rounds(res, L):
+    assert sum(r.committed for r in res.rounds) == len(res.tokens)
+    for r in res.rounds:
+        assert 0 <= r.accepted <= r.drafted <= r.planned
+        assert r.committed <= r.accepted + 1
+        assert r.layer_work == (r.drafted + 1) * L
+        assert r.critical_layers == r.drafted * r.exit_layer + L
+    assert res.layer_work == sum(r.layer_work for r in res.rounds)
+    assert res.critical_layers == sum(r.critical_layers for r in res.rounds)
+    assert res.seconds >= res.prefill_seconds >= 0
+
+
+def _check_ada_rounds(res):
+    assert sum(r.committed for r in res.rounds) == len(res.tokens)
+    for r in res.rounds:
+        assert 0 <= r.accepted <= r.drafted == len(r.exit_layers)
+        assert r.committed <= r.accepted + 1
+    assert res.layer_work == sum(r.layer_work for r in res.rounds)
+    assert res.critical_layers == sum(r.critical_layers for r in res.rounds)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """These tiny decodes are latency-bound: one intra-op thread is faster on shared cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def identity_tail_model(tiny_model):
+    """The tiny model with layers 5..12 made exact identities (attention and MLP outputs zeroed), so
+    every readout at depth >= 4 equals the final-depth readout: all depth->=4 drafts are accepted."""
+    m = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for layer in m.model.layers[4:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return m
+
+
+# ------------------------------------------------------------------ exactness: LayerSkip self-spec
+
+
+@pytest.mark.parametrize("rule", [DecodeRule(), DecodeRule(temperature=1.0, seed=3)], ids=["greedy", "sample"])
+def test_self_spec_equals_ar(tiny_model, rule):
+    settings = [(1, 1), (1, 6), (6, 3), (L - 1, 1), (L - 1, 6)]
+    seen = set()
+    for prompt in PROMPTS:
+        for eos, ar in _eos_cases(tiny_model, prompt, rule):
+            for E, k in settings:
+                res = self_spec_decode(tiny_model, prompt, N, exit_layer=E, num_speculations=k, rule=rule,
+                                       eos_token_id=eos)
+                assert res.tokens == ar, (prompt, eos, E, k)
+                assert res.stopped_at_eos == (eos is not None)
+                _check_spec_rounds(res, L)
+                assert all(r.exit_layer == E and r.planned == k for r in res.rounds)
+                seen |= {("accept", r.accepted > 0) for r in res.rounds} | {("reject", r.accepted < r.drafted)
+                                                                           for r in res.rounds}
+    assert seen == {("accept", True), ("accept", False), ("reject", True), ("reject", False)}
+
+
+def test_self_spec_sampling_other_seed(tiny_model):
+    rule = DecodeRule(temperature=0.7, seed=11)
+    ar = ar_decode(tiny_model, PROMPTS[1], N, rule=rule).tokens
+    assert self_spec_decode(tiny_model, PROMPTS[1], N, exit_layer=3, num_speculations=4, rule=rule).tokens == ar
+
+
+# ------------------------------------------------------------------ exactness: AdaDecode
+
+
+@pytest.mark.parametrize("rule", [DecodeRule(), DecodeRule(temperature=1.0, seed=5)], ids=["greedy", "sample"])
+def test_adadecode_equals_ar(tiny_model, rule):
+    settings = [([1], 0.0, 6), ([3, 6, 9], 0.0, 1), ([3, 6, 9], 0.1, 6), ([L - 1], 0.0, 6), ([4, 8], 1.0, 6)]
+    seen = set()
+    for prompt in PROMPTS:
+        for eos, ar in _eos_cases(tiny_model, prompt, rule):
+            for sc, thr, cap in settings:
+                res = adadecode_decode(tiny_model, prompt, N, shortcut_layers=sc, threshold=thr,
+                                       max_speculations=cap, rule=rule, eos_token_id=eos)
+                assert res.tokens == ar, (prompt, eos, sc, thr, cap)
+                assert res.stopped_at_eos == (eos is not None)
+                _check_ada_rounds(res)
+                for r in res.rounds:
+                    assert set(r.exit_layers) <= set(sc)
+                    assert r.drafted <= cap
+                    seen |= {("accept", r.accepted > 0), ("reject", r.accepted < r.drafted)}
+                    seen |= {("mixed depths", len(set(r.exit_layers)) > 1)}
+    # both verdicts and rounds mixing exit depths (partial deferred layers) were exercised
+    assert {("accept", True), ("reject", True), ("mixed depths", True)} <= seen
+
+
+def test_adadecode_threshold_extremes(tiny_model):
+    prompt = PROMPTS[1]
+    never = adadecode_decode(tiny_model, prompt, N, shortcut_layers=[2, 4, 6, 8, 10], threshold=1.0,
+                             max_speculations=8)
+    assert never.early_tokens == 0
+    assert all(r.drafted == 0 and r.committed == 1 and r.steps == 1 for r in never.rounds)
+    assert never.layer_work == never.critical_layers == L * N  # plain AR accounting
+    always = adadecode_decode(tiny_model, prompt, N, shortcut_layers=[2], threshold=0.0, max_speculations=3)
+    # threshold 0: every token that may exit early does, at the first shortcut, up to the cap of 3.
+    assert always.early_tokens > 0
+    assert all(set(r.exit_layers) == {2} for r in always.rounds if r.drafted)
+    assert all(r.drafted <= 3 for r in always.rounds)
+    assert uniform_shortcut_layers(48, 8) == [8, 16, 24, 32, 40]
+    assert uniform_shortcut_layers(80, 10) == [10, 20, 30, 40, 50, 60, 70]
+
+
+# ------------------------------------------------------------------ exactness: DEL
+
+
+@pytest.mark.parametrize("rule", [DecodeRule(), DecodeRule(temperature=1.0, seed=7)], ids=["greedy", "sample"])
+def test_dynamic_exit_equals_ar(tiny_model, rule):
+    settings = [{}, dict(confidence_threshold=0.0, max_speculations=6), dict(confidence_threshold=0.1),
+                dict(exit_layers=[1, L - 1], max_speculations=1, confidence_threshold=1.0, decay=1.0)]
+    for prompt in PROMPTS:
+        for eos, ar in _eos_cases(tiny_model, prompt, rule):
+            for kw in settings:
+                res = dynamic_exit_decode(tiny_model, prompt, N, rule=rule, eos_token_id=eos, **kw)
+                assert res.tokens == ar, (prompt, eos, kw)
+                assert res.stopped_at_eos == (eos is not None)
+                _check_spec_rounds(res, L)
+                cands = kw.get("exit_layers", range(1, L))
+                assert all(r.exit_layer in cands for r in res.rounds)
+                assert set(res.acceptance_estimates) == set(cands)
+                assert all(0.0 <= a <= 1.0 for a in res.acceptance_estimates.values())
+
+
+def test_dynamic_exit_confidence_stop(tiny_model):
+    # Threshold 1: every draft is below it, so drafting stops after one token each round.
+    res = dynamic_exit_decode(tiny_model, PROMPTS[0], N, confidence_threshold=1.0)
+    assert all(r.drafted == min(1, r.planned) for r in res.rounds[:-1])
+    assert all(r.drafted <= 1 for r in res.rounds)
+
+
+# ------------------------------------------------------------------ accounting on a hand-built model
+
+
+def test_self_spec_accounting_hand_built(identity_tail_model):
+    m = identity_tail_model
+    prompt = [3, 4, 5]
+    ar = ar_decode(m, prompt, 10).tokens
+    res = self_spec_decode(m, prompt, 10, exit_layer=4, num_speculations=3)
+    assert res.tokens == ar
+    # Every draft is accepted: rounds draft 3, 3, then min(3, 10 - 8 - 1) = 1.
+    assert [(r.drafted, r.accepted, r.committed) for r in res.rounds] == [(3, 3, 4), (3, 3, 4), (1, 1, 2)]
+    # layer_work = sum (k+1) L = 10 * 12; critical = sum (k*E + L) = 24 + 24 + 16.
+    assert res.layer_work == 120
+    assert res.critical_layers == 64
+    assert res.tokens_per_round == pytest.approx(10 / 3)
+    assert res.acceptance_rate == 1.0
+
+
+def test_adadecode_accounting_hand_built(identity_tail_model):
+    m = identity_tail_model
+    prompt = [3, 4, 5]
+    ar = ar_decode(m, prompt, 5).tokens
+    res = adadecode_decode(m, prompt, 5, shortcut_layers=[4], threshold=0.0, max_speculations=2)
+    assert res.tokens == ar
+    # Steps: early@4, early@4, full (verifies 2 + commits the new token's final decode); early@4,
+    # early@4 reaches 5 tokens, then a flush runs the 2 pending positions through layers 5..12.
+    got = [(r.drafted, r.accepted, r.exit_layers, r.committed, r.steps, r.layer_work, r.critical_layers)
+           for r in res.rounds]
+    # round 1 work: 4 + 4 + (12 + 2 * 8) = 36; critical 4 + 4 + 12 = 20.
+    # round 2 work: 4 + 4 + 2 * 8 = 24;       critical 4 + 4 + 8 = 16.
+    assert got == [(2, 2, [4, 4], 3, 3, 36, 20), (2, 2, [4, 4], 2, 3, 24, 16)]
+    assert res.layer_work == 5 * L and res.critical_layers == 36
+
+
+def test_dynamic_exit_learns_identity_depth(identity_tail_model):
+    res = dynamic_exit_decode(identity_tail_model, [3, 4, 5], 40, confidence_threshold=0.0)
+    assert res.tokens == ar_decode(identity_tail_model, [3, 4, 5], 40).tokens
+    _check_spec_rounds(res, L)
+    # Shadow tokens at depths >= 4 always match the final token, so their estimates approach 1 and
+    # the TPL choice settles on depth 4 with the longest speculation; every draft there is accepted.
+    assert all(res.acceptance_estimates[l] > 0.9 for l in range(4, L))
+    late = res.rounds[3:]
+    assert late and all(r.exit_layer == 4 and r.accepted == r.drafted for r in late)
+    assert res.rounds[-2].planned == 8
+    assert token_per_layer(1.0, 4, 8, L) == pytest.approx(9 / 44)
+    assert token_per_layer(0.0, 4, 8, L) == pytest.approx(1 / 44)
+
+
+# ------------------------------------------------------------------ validation
+
+
+def test_bad_parameters_raise(tiny_model):
+    m, p = tiny_model, [1, 2, 3]
+    bad_self = [dict(exit_layer=0, num_speculations=2), dict(exit_layer=L, num_speculations=2),
+                dict(exit_layer=2.5, num_speculations=2), dict(exit_layer=True, num_speculations=2),
+                dict(exit_layer=2, num_speculations=0)]
+    for kw in bad_self:
+        with pytest.raises(ValueError, match="exit_layer|num_speculations"):
+            self_spec_decode(m, p, 4, **kw)
+    bad_ada = [dict(shortcut_layers=[], threshold=0.5, max_speculations=2),
+               dict(shortcut_layers=[0, 4], threshold=0.5, max_speculations=2),
+               dict(shortcut_layers=[4, L], threshold=0.5, max_speculations=2),
+               dict(shortcut_layers=[6, 3], threshold=0.5, max_speculations=2),
+               dict(shortcut_layers=[4], threshold=-0.1, max_speculations=2),
+               dict(shortcut_layers=[4], threshold=1.5, max_speculations=2),
+               dict(shortcut_layers=[4], threshold=0.5, max_speculations=0)]
+    for kw in bad_ada:
+        with pytest.raises(ValueError, match="shortcut_layers|threshold|max_speculations"):
+            adadecode_decode(m, p, 4, **kw)
+    bad_del = [dict(exit_layers=[]), dict(exit_layers=[0]), dict(exit_layers=[L]), dict(exit_layers=[3, 3]),
+               dict(max_speculations=0), dict(confidence_threshold=2.0), dict(decay=0.0),
+               dict(prior_acceptance=1.5), dict(prior_weight=0.0)]
+    for kw in bad_del:
+        with pytest.raises(ValueError, match="exit_layers|max_speculations|confidence_threshold|decay|prior"):
+            dynamic_exit_decode(m, p, 4, **kw)
+    calls = [lambda **k: self_spec_decode(exit_layer=2, num_speculations=2, **k),
+             lambda **k: adadecode_decode(shortcut_layers=[4], threshold=0.5, max_speculations=2, **k),
+             lambda **k: dynamic_exit_decode(**k)]
+    for call in calls:
+        with pytest.raises(ValueError, match="empty prompt"):
+            call(model=m, input_ids=[], max_new_tokens=4)
+        with pytest.raises(ValueError, match="exceeds the context"):
+            call(model=m, input_ids=[1] * 120, max_new_tokens=9)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            call(model=m, input_ids=p, max_new_tokens=0)
+        with pytest.raises(ValueError, match="eos_token_id"):
+            call(model=m, input_ids=p, max_new_tokens=4, eos_token_id=97)
+        with pytest.raises(ValueError, match="outside"):
+            call(model=m, input_ids=[1, 200], max_new_tokens=4)

@@ -12,6 +12,7 @@ from impl.tev.drafter import (
     DrafterTrainConfig,
     block_loss,
     default_feature_layers,
+    drafter_dir_for,
     position_weights,
     sharegpt_prompt_texts,
     target_features,
@@ -133,6 +134,7 @@ def test_save_load_roundtrip(tiny_model, drafter, tmp_path):
         assert torch.equal(loaded.draft(f, 9), drafter.draft(f, 9))
     with pytest.raises(FileNotFoundError):
         BlockDrafter.load(tmp_path / "nope", tiny_model)
+    assert drafter_dir_for("models/tiny-ls").as_posix() == "models/tiny-ls-drafter"
     from transformers import LlamaForCausalLM
 
     from impl.models.tiny import TinyArch

@@ -5,8 +5,26 @@ A draft tree (``tree``) is verified by one target forward that yields p_v at eve
 (``exit_law``) w(v) = P(v) rho(v) says where target continuations leave the tree, and every exact
 saturated verifier (``verify``: predraw-and-follow, sequential residual, TEV) returns an accepted path
 and a bonus token with exactly that law, so E[block length] = 1 + C_p(T).
+
+The decoding pipeline (Sec. 2): a DFlash-style block drafter conditioned on target features
+(``drafter``, with its rollout training), DDTree's best-first builder or a DFlash chain (``builder``),
+and the batch-1 loop drafter -> builder -> one target tree forward -> verifier -> KV commit
+(``decode.tev_decode``), exact against AR at T = 0 and in distribution at T > 0.
 """
 
+from .builder import best_first_tree, chain_tree
+from .decode import FixedDrafter, TEVResult, commit_cache, tev_decode
+from .drafter import (
+    BlockDrafter,
+    DrafterConfig,
+    DrafterTrainConfig,
+    drafter_dir_for,
+    evaluate_drafter,
+    sharegpt_prompt_ids,
+    sharegpt_prompt_texts,
+    target_features,
+    train_drafter,
+)
 from .exit_law import (
     check_target_probs,
     exit_law,
@@ -18,7 +36,22 @@ from .tree import DraftTree, ancestor_mask, path_to, tree_attention_mask, valida
 from .verify import VERIFIERS, greedy_follow, predraw_follow, sequential_residual, tev
 
 __all__ = [
+    "BlockDrafter",
     "DraftTree",
+    "DrafterConfig",
+    "DrafterTrainConfig",
+    "FixedDrafter",
+    "TEVResult",
+    "best_first_tree",
+    "chain_tree",
+    "commit_cache",
+    "drafter_dir_for",
+    "evaluate_drafter",
+    "sharegpt_prompt_ids",
+    "sharegpt_prompt_texts",
+    "target_features",
+    "tev_decode",
+    "train_drafter",
     "VERIFIERS",
     "ancestor_mask",
     "check_target_probs",

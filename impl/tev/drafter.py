@@ -267,14 +267,17 @@ class BlockDrafter(nn.Module):
 
     @property
     def block_size(self) -> int:
+        """H: drafted positions per block (the largest tree depth this drafter serves)."""
         return self.config.block_size
 
     @property
     def feature_layers(self) -> list[int]:
+        """1-based target depths whose pre-norm hidden states form the context features."""
         return list(self.config.feature_layers)
 
     @property
     def feature_dim(self) -> int:
+        """F = len(feature_layers) * hidden_size, the width of one context feature row."""
         return len(self.config.feature_layers) * self.hidden_size
 
     # -- building blocks -----------------------------------------------------------------------
@@ -463,6 +466,13 @@ class BlockDrafter(nn.Module):
         state = load_file(str(p / WEIGHTS_NAME), device=str(next(target.parameters()).device))
         drafter.load_state_dict(state)
         return drafter.eval()
+
+
+def drafter_dir_for(model_dir: str | Path) -> Path:
+    """The conventional drafter directory beside a model directory: ``<model_dir>-drafter``
+    (e.g. ``models/tiny-ls`` -> ``models/tiny-ls-drafter``)."""
+    p = Path(model_dir)
+    return p.with_name(p.name + "-drafter")
 
 
 # --- target features ----------------------------------------------------------------------------
@@ -752,9 +762,10 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]], cfg: Draft
         check_prompt_ids(target, p)
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.anchors_per_seq < 1 or cfg.rollout_new_tokens < 1:
         raise ValueError("steps, batch_size, anchors_per_seq and rollout_new_tokens must be >= 1")
-    torch.manual_seed(cfg.seed)
     if drafter is None:
-        drafter = BlockDrafter(target, cfg.drafter)
+        with torch.random.fork_rng(devices=[]):  # seeded initialisation, global RNG untouched
+            torch.manual_seed(cfg.seed)
+            drafter = BlockDrafter(target, cfg.drafter)
     dev = drafter.fc.weight.device
     gen = torch.Generator().manual_seed(cfg.seed)
     was_training = target.training
@@ -809,7 +820,7 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]], cfg: Draft
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if cfg.log_every and (step + 1) % cfg.log_every == 0:
             log.info("drafter step %d/%d loss %.4f", step + 1, cfg.steps, sum(losses[-cfg.log_every:]) / cfg.log_every)
     t_train = time.perf_counter() - t0

@@ -6,7 +6,11 @@
 - :mod:`.routed`: routed execution of one Llama/Qwen3 decoder layer (Sec. 3.1-3.2), in plain
   PyTorch and inside the engine;
 - :mod:`.engine`: the binding to transformers' continuous batching and a greedy helper for routed
-  and dense modes.
+  and dense modes;
+- :mod:`.flexidepth`: the FlexiDepth-style trained gate (router + SwiGLU adapter per routed layer),
+  its checkpoint and its stage-1 training (Sec. 3.1, 3.4);
+- :mod:`.mode`: the profitability-aware mode switch, the routed-cost profile and the threshold rule
+  (Sec. 3.3).
 """
 
 from .skipper import (
@@ -33,6 +37,21 @@ from .routed import (
     routed_context,
 )
 from .engine import bind_skipper, generate_greedy, routed_cb_config, rows_of_batch, unbind_skipper
+from .flexidepth import (
+    FlexiDepthSkipper,
+    FlexiDepthTrainConfig,
+    flexidepth_forward,
+    load_flexidepth,
+    train_and_save,
+    train_flexidepth,
+)
+from .mode import (
+    ModeController,
+    ModeSwitch,
+    derive_thresholds,
+    generate_with_switch,
+    profile_routed_cost,
+)
 
 __all__ = [
     "Action",
@@ -59,4 +78,15 @@ __all__ = [
     "routed_cb_config",
     "generate_greedy",
     "rows_of_batch",
+    "FlexiDepthSkipper",
+    "FlexiDepthTrainConfig",
+    "flexidepth_forward",
+    "load_flexidepth",
+    "train_flexidepth",
+    "train_and_save",
+    "ModeSwitch",
+    "ModeController",
+    "generate_with_switch",
+    "profile_routed_cost",
+    "derive_thresholds",
 ]

@@ -51,7 +51,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -635,7 +635,7 @@ class FlexiDepthTrainConfig:
     warmup_fraction: float = 0.05
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    skip_alpha: float = 0.5
+    skip_alpha: float = 0.03
     threshold: float = 0.5
     router_reduction: int = 16
     adapter_reduction: int = 16
@@ -785,14 +785,14 @@ def train_flexidepth(model, token_windows, cfg: FlexiDepthTrainConfig = FlexiDep
             if cfg.grad_clip:
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
-            losses.append(float(loss))
-            lms.append(float(lm))
+            losses.append(float(loss.detach()))
+            lms.append(float(lm.detach()))
             skips.append(float((~out.run).float().mean()))
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 k = min(cfg.log_every, len(losses))
                 entry = {"step": step + 1, "loss": float(np.mean(losses[-k:])), "lm_loss": float(np.mean(lms[-k:])),
                          "train_skip_ratio": float(np.mean(skips[-k:])), "lr": _lr_at(step, cfg),
-                         "mean_weight": float(out.weights.mean())}
+                         "mean_weight": float(out.weights.detach().mean())}
                 history.append(entry)
                 log.info("flexidepth step %d: %s", step + 1, entry)
             if bar is not None:

@@ -232,8 +232,10 @@ class RoutedDecoderLayer(nn.Module):
 
         Returns:
             ``[1, T, H]`` hidden states after the layer: RUN rows as the original layer computes them
-            (attending to every cached K/V, Project-Only rows' included), Project-Only rows as
-            ``skipper.project(input)``.
+            (attending to every cached K/V, Project-Only rows' included), routed RUN rows then passed
+            through ``skipper.run_epilogue`` (identity by default), Project-Only rows as
+            ``skipper.project(input)``; a dense row (``RowMeta.routed`` False) always RUNs unmodified,
+            and a batch of dense rows only runs the original layer.
 
         Raises:
             RuntimeError: when no row metadata describes the batch, or it is stale (more rows than the

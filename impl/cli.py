@@ -456,11 +456,14 @@ def cmd_report(args) -> None:
             names.append(os.path.relpath(c) if Path(c).resolve().is_relative_to(Path.cwd()) else c)
         except ValueError:
             names.append(c)
-    sections: list[str] = []
-    if args.dex_tables_dir:
-        from .report.dex import report_section
+    import importlib
 
-        sections += report_section(args.dex_tables_dir, fd, Path(args.out).parent)
+    sections: list[str] = []
+    for spec in args.section:
+        mod, _, tdir = spec.partition(":")
+        if not mod.startswith("impl.") or not tdir:
+            raise SystemExit(f"error: --section {spec!r} must be MODULE:TABLES_DIR with MODULE under impl")
+        sections += importlib.import_module(mod).report_section(tdir, fd, Path(args.out).parent)
     build_report(args.out, tables_dir=td, figures=figs, provenance=prov, config_name=" ".join(names),
                  prompt_errors=prov.get("prompt_errors", 0), sections=sections)
     print(f"report: {args.out}")
@@ -577,8 +580,25 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--figures-dir", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--config-name", default="configs/default.yaml")
-    sp.add_argument("--dex-tables-dir", help="DEX tables (dex-tables); adds the DEX section")
+    sp.add_argument("--section", action="append", default=[],
+                    help="MODULE:TABLES_DIR of a method family's report section (repeatable), e.g. "
+                         "impl.report.dex:results/tables/dex")
+    # method families register their own commands: a module with register(add), where
+    # add(name, fn, help) returns an argparse subparser that takes --config/--config-json
+    import importlib
+
+    for mod in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        module.register(add)
     return p
+
+
+COMMAND_MODULES = ("impl.tev.commands", "impl.serving.commands")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -261,6 +261,30 @@ class ConfigError(ValueError):
     """A configuration problem, with a one-line message naming the key or path and the fix."""
 
 
+# Method families own their optional config section: a module exposing SECTION (JSON schema of the
+# section), DEFAULTS (merged under the user's values) and check(cfg) (cross-references; raises
+# ConfigError). Such modules must import nothing heavy (no torch): Snakemake imports them at parse time.
+SECTION_MODULES = {"tev": "impl.tev.schema", "vskipper": "impl.serving.schema"}
+
+
+def _section_module(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(SECTION_MODULES[name])
+    except ModuleNotFoundError:  # the family has not declared a section yet
+        return None
+
+
+def _plugin_schemas() -> dict[str, Any]:
+    out = {}
+    for name in SECTION_MODULES:
+        mod = _section_module(name)
+        if mod is not None:
+            out[name] = mod.SECTION
+    return out
+
+
 def _merge(defaults: dict, cfg: dict) -> dict:
     out = copy.deepcopy(defaults)
     for k, v in cfg.items():
@@ -283,6 +307,14 @@ def _key_path(err: jsonschema.ValidationError) -> str:
     return ".".join(parts) or "<top level>"
 
 
+def full_schema() -> dict[str, Any]:
+    """The JSON schema of the whole config: :data:`SCHEMA` plus the sections method families declare
+    (:data:`SECTION_MODULES`)."""
+    schema = copy.deepcopy(SCHEMA)
+    schema["properties"].update(_plugin_schemas())
+    return schema
+
+
 def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[str, Any]:
     """Validate a raw config mapping and return it with defaults filled in.
 
@@ -298,7 +330,7 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
     """
     if not isinstance(cfg, dict):
         raise ConfigError("config: top level must be a mapping")
-    validator = jsonschema.Draft202012Validator(SCHEMA)
+    validator = jsonschema.Draft202012Validator(full_schema())
     errors = sorted(validator.iter_errors(cfg), key=lambda e: (len(list(e.absolute_path)), str(e.absolute_path)))
     if errors:
         e = errors[0]
@@ -312,6 +344,10 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
         raise ConfigError(f"config: {msg}")
     out = _merge(DEFAULTS, cfg)
     out["ead"] = _merge(EAD_DEFAULTS, out["ead"])
+    for name in SECTION_MODULES:
+        if name in out:
+            mod = _section_module(name)
+            out[name] = _merge(mod.DEFAULTS, out[name])
     env_data = os.environ.get("IMPL_DATA_DIR")
     if env_data:  # the environment names where the datasets are on this machine
         out["data_dir"] = env_data
@@ -358,6 +394,9 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
     if "dex" in out:
         out["dex"] = _merge(DEX_DEFAULTS, out["dex"])
         _check_dex(out)
+    for name in SECTION_MODULES:
+        if name in out:
+            _section_module(name).check(out)
     if check_paths:
         check_config_paths(out)
     return out

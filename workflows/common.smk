@@ -64,6 +64,11 @@ def dex_cell_inputs(w):
     return d
 
 
+# Method-family .smk files append the outputs the report needs and their report sections
+# ("<module>:<tables dir>", where module has report_section(tables_dir, figures_dir, base)).
+REPORT_EXTRA = []
+REPORT_SECTIONS = []
+
 EAD_MODELS = CFG["ead"]["models"]
 EAD_WORKLOADS = CFG["ead"]["workloads"]
 TINY_MODELS = [m for m, v in CFG["models"].items() if v["kind"] == "tiny"]

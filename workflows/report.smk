@@ -52,16 +52,16 @@ rule report:
         rules.tables.output,
         prov=rules.tables.output.prov,
         figs=rules.figures.output,
-        dex=(rules.dex_tables.output + rules.dex_figures.output) if CFG.get("dex") else [],
+        extra=REPORT_EXTRA,
     output:
         REPORT,
     params:
         tables=lambda w, input: os.path.dirname(input.prov),
         figures=lambda w, input: os.path.dirname(input.figs[0]),
         configs=" ".join(map(str, workflow.configfiles)) or "configs/default.yaml",
-        dex=f"--dex-tables-dir {RESULTS}/tables/dex" if CFG.get("dex") else "",
+        sections=" ".join(f"--section {x}" for x in REPORT_SECTIONS),
     log:
         f"{LOGS}/report.log",
     shell:
         "python -m impl report --tables-dir {params.tables} --figures-dir {params.figures} --out {output} "
-        "--config-name {params.configs:q} {params.dex} 2> {log}"
+        "--config-name {params.configs:q} {params.sections} 2> {log}"

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..config import split_variant
 from ..stats import paired_difference
 
 BASELINES = ("self_spec", "adadecode", "dynamic_exit")
@@ -114,6 +115,22 @@ def claims_table(df: pd.DataFrame, arms: pd.DataFrame) -> pd.DataFrame:
             r = _paired(cell, d.replace("-decs", ""), d)
             if r:
                 out.append({"variant": v, "suite": s, "claim": "DECS above vanilla", **r})
+    # inducing adapters (App. C.2): the adapted variant against its base model, same prompts and arms
+    for (v, s), cell in df.groupby(["variant", "suite"], sort=False):
+        base, adapted = split_variant(v)
+        if not adapted:
+            continue
+        plain = df[(df.variant == base) & (df.suite == s)]
+        for arm in cell[(cell.method == "dex") & (cell.figure == "fig3")]["arm"].unique():
+            x = plain[plain.arm == arm].set_index("prompt_id")["depth_speedup"]
+            y = cell[cell.arm == arm].set_index("prompt_id")["depth_speedup"]
+            common = x.index.intersection(y.index)
+            if len(common):
+                r = paired_difference(x[common].to_numpy(), y[common].to_numpy())
+                out.append({"variant": v, "suite": s, "claim": "inducing adapters raise DEX's depth speedup",
+                            "arm_a": f"{base}:{arm}", "arm_b": f"{v}:{arm}", "n": r.n, "mean_a": float(x[common].mean()),
+                            "mean_b": float(y[common].mean()), "diff": r.mean, "ci_low": r.ci_low, "ci_high": r.ci_high,
+                            "resolved": r.resolved, "holds": bool(r.resolved and r.mean > 0)})
     return pd.DataFrame(out)
 
 

@@ -1,0 +1,512 @@
+"""The four arms of the quality 2x2 as lm-eval language models (vSkipper Sec. 4.1 "Quality", Table 5).
+
+=====  =====================================  ==========================================================
+arm    what                                    class
+=====  =====================================  ==========================================================
+A      base model, in process                  :class:`RecordingHFLM`: lm-eval's own HF backend
+                                               (``HFLM``, ``model.generate``) on the local model dir
+B      checkpoint, in process (plain PyTorch)  :class:`PlainRoutedLM`: routed layers installed
+                                               (:func:`impl.vskipper.routed.install_routed_layers`),
+                                               one plain forward per token; Project-Only rows follow
+                                               the skipper
+C      base model, served by the upstream      :class:`EngineLM` ``mode="dense"``: transformers'
+       engine                                  continuous-batching engine, unmodified
+D      checkpoint, served always-route         :class:`EngineLM` ``mode="routed"``: the same engine with
+                                               the skipper bound (:func:`impl.vskipper.engine.bind_skipper`)
+=====  =====================================  ==========================================================
+
+The paper drives the served arms with lm-eval as an HTTP client (``local-completions``). Here C and D
+are *in-process* lm-eval LMs over the same engine (``impl.vskipper.engine.generate_greedy``, all of a
+task's requests submitted together, so they are continuously batched): the HTTP server
+(``transformers serve``) needs fastapi/uvicorn, which are not installed, and cannot take token ids or
+honour ``stop`` under continuous batching anyway (DESIGN.md). The served computation is the same.
+
+Identical token ids (App. E.1, "All four quality arms receive identical token ids"): every arm turns a
+request's context into ids exactly as lm-eval's HF backend does (:func:`encode_context`: the
+tokenizer's own special-token rule unless ``add_bos_token`` is set, left truncation to
+``max_length - max_gen_toks``) and records, per document, the ids it fed and their hash
+(:func:`prompt_hash`); the runner refuses a run whose arms disagree on any document's hash. Arm A records
+the ids HFLM actually passed to ``model.generate``.
+
+Stopping: every arm applies HFLM's rule (:class:`StopRule`): stop after the token at which the decoded
+last ``len(stop_ids) + 2`` generated tokens contain a stop string (the EOS string is one) or the token
+is an EOS id of the model's generation config, or after ``max_gen_toks`` tokens; the text is decoded
+without special tokens and cut at the first stop string. The engine cannot stop on strings, so C and
+D generate to EOS / ``max_gen_toks`` and are cut by the same rule afterwards (greedy decoding is causal,
+so the kept prefix is what an early stop would have produced).
+
+Request ids are ``"<task>/<doc_id>"`` in B and D, so request-hashing skippers (RandomSkip) take the same
+routes in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+    resolve_max_length,
+)
+
+__all__ = [
+    "ARMS",
+    "GenRecord",
+    "prompt_hash",
+    "request_id_for",
+    "encode_context",
+    "eos_ids_of",
+    "StopRule",
+    "RecordingMixin",
+    "RecordingHFLM",
+    "PlainRoutedLM",
+    "EngineLM",
+    "default_max_length",
+]
+
+#: arm -> (model, execution) as in Table 5 (left).
+ARMS: dict[str, str] = {
+    "A": "base model, in process (lm-eval HF backend)",
+    "B": "checkpoint, in process (plain PyTorch, routed layers)",
+    "C": "base model, continuous-batching engine (upstream, dense)",
+    "D": "checkpoint, continuous-batching engine (vSkipper always-route)",
+}
+
+#: lm-eval's HF backend default generation budget (``HFLM.max_gen_toks``).
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+def prompt_hash(ids: Sequence[int]) -> str:
+    """SHA-256 (first 16 hex digits) of a token-id sequence (its int64 little-endian bytes)."""
+    data = torch.as_tensor(list(ids), dtype=torch.int64).numpy().astype("<i8").tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def request_id_for(task: str, doc_id: int) -> str:
+    """The request id of a document, shared by arms B and D (what request-hashing skippers hash)."""
+    return f"{task}/{int(doc_id)}"
+
+
+def default_max_length(model_or_config, tokenizer=None) -> int:
+    """The context window lm-eval's HF backend would use (``resolve_max_length``: the config's
+    ``n_positions`` / ``max_position_embeddings`` / ``n_ctx``, else the tokenizer's, else 2048)."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return resolve_max_length(cfg, tokenizer, default=2048)
+
+
+def encode_context(tokenizer, context: str, max_ctx_len: int | None, add_bos_token: bool | None = None) -> list[int]:
+    """Token ids of one context exactly as ``HFLM.tok_batch_encode`` (batch of one) makes them.
+
+    No special-token argument is passed (the tokenizer's default, e.g. a BOS for Llama-3) unless the
+    text already starts with the BOS string (then none is added) or ``add_bos_token`` is set; then the
+    ids are left-truncated to ``max_ctx_len``.
+    """
+    kwargs: dict[str, Any] = {}
+    if has_bos_prefix(context, getattr(tokenizer, "bos_token", None)):
+        kwargs = {"add_special_tokens": False}
+    elif add_bos_token is not None:
+        kwargs = {"add_special_tokens": add_bos_token}
+    ids = list(tokenizer([context], truncation=False, **kwargs)["input_ids"][0])
+    if max_ctx_len:
+        ids = ids[-max_ctx_len:]
+    return [int(t) for t in ids]
+
+
+def eos_ids_of(model) -> set[int]:
+    """EOS ids ``model.generate`` stops at (the generation config's, else the model config's)."""
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+class StopRule:
+    """HFLM's stopping rule on generated ids (``MultiTokenEOSCriteria`` plus the EOS criterion).
+
+    Args:
+        tokenizer: the tokenizer.
+        until: stop strings (lm-eval's, the EOS string included).
+        eos_ids: EOS token ids.
+    """
+
+    def __init__(self, tokenizer, until: Sequence[str], eos_ids: Iterable[int] = ()):
+        self.tokenizer = tokenizer
+        self.until = [s for s in until]
+        self.eos_ids = {int(e) for e in eos_ids}
+        self._lookback = [len(tokenizer.encode(s, add_special_tokens=False)) + 2 for s in self.until]
+
+    def done(self, gen_ids: Sequence[int]) -> bool:
+        """Whether generation stops after the last id of ``gen_ids`` (non-empty)."""
+        if gen_ids and int(gen_ids[-1]) in self.eos_ids:
+            return True
+        for s, n in zip(self.until, self._lookback):
+            if s in self.tokenizer.decode(list(gen_ids[-n:]), skip_special_tokens=False):
+                return True
+        return False
+
+    def cut(self, gen_ids: Sequence[int]) -> list[int]:
+        """The ids HFLM would have generated: the shortest prefix after which :meth:`done` holds, or all."""
+        ids = [int(t) for t in gen_ids]
+        for i in range(1, len(ids) + 1):
+            if self.done(ids[:i]):
+                return ids[:i]
+        return ids
+
+    def text(self, gen_ids: Sequence[int]) -> str:
+        """The response lm-eval receives: decoded without special tokens, cut at the first stop string."""
+        s = self.tokenizer.decode(list(gen_ids), skip_special_tokens=True)
+        return postprocess_generated_text(generation=s, stop=list(self.until), think_end_token=None)
+
+
+@dataclass
+class GenRecord:
+    """What one arm fed and produced for one document.
+
+    Attributes:
+        arm: "A".."D".
+        task: lm-eval task name.
+        doc_id: lm-eval document id.
+        request_id: the request id (``<task>/<doc_id>``).
+        prompt_ids: the token ids fed.
+        prompt_hash: :func:`prompt_hash` of ``prompt_ids``.
+        gen_ids: the generated ids up to and including the stopping token.
+        text: the response returned to lm-eval.
+        max_gen_toks: the generation budget.
+    """
+
+    arm: str
+    task: str
+    doc_id: int
+    request_id: str
+    prompt_ids: list[int]
+    prompt_hash: str
+    gen_ids: list[int]
+    text: str
+    max_gen_toks: int = 0
+
+    def to_row(self, with_ids: bool = True) -> dict[str, Any]:
+        """Plain-dict form for result rows (``with_ids=False`` drops the prompt ids)."""
+        row = {
+            "arm": self.arm, "task": self.task, "doc_id": self.doc_id, "request_id": self.request_id,
+            "prompt_hash": self.prompt_hash, "n_prompt_tokens": len(self.prompt_ids),
+            "gen_ids": list(self.gen_ids), "n_gen_tokens": len(self.gen_ids), "response": self.text,
+            "max_gen_toks": self.max_gen_toks,
+        }
+        if with_ids:
+            row["prompt_ids"] = list(self.prompt_ids)
+        return row
+
+
+class RecordingMixin:
+    """Per-document :class:`GenRecord` store shared by the four arm classes."""
+
+    arm: str = "?"
+
+    def _init_records(self, arm: str) -> None:
+        self.arm = arm
+        self.records: dict[tuple[str, int], GenRecord] = {}
+
+    def _record(self, req, prompt_ids: Sequence[int], gen_ids: Sequence[int], text: str, max_gen_toks: int) -> None:
+        key = (str(req.task_name), int(req.doc_id))
+        if key in self.records:
+            prev = self.records[key]
+            if prev.prompt_hash != prompt_hash(prompt_ids):
+                raise ValueError(f"arm {self.arm}: document {key} was requested twice with different prompts")
+            return
+        ids = [int(t) for t in prompt_ids]
+        self.records[key] = GenRecord(
+            arm=self.arm, task=key[0], doc_id=key[1], request_id=request_id_for(*key), prompt_ids=ids,
+            prompt_hash=prompt_hash(ids), gen_ids=[int(t) for t in gen_ids], text=text, max_gen_toks=int(max_gen_toks),
+        )
+
+
+# -- arm A: lm-eval's HF backend ----------------------------------------------------------------------
+class RecordingHFLM(RecordingMixin, HFLM):
+    """Arm A: lm-eval's HF backend (``HFLM``) that records, per document, the token ids it passed to
+    ``model.generate`` and the ids it generated (batch size 1, so no padding is involved).
+
+    Args:
+        arm: arm label (default "A").
+        **kwargs: :class:`lm_eval.models.huggingface.HFLM` arguments (``pretrained`` = the local model
+            dir, ``tokenizer``, ``device``, ``dtype``, ``max_length``, ``add_bos_token`` ...).
+            ``batch_size`` must be 1.
+
+    Raises:
+        ValueError: for a batch size other than 1 (padding would hide the fed ids).
+    """
+
+    def __init__(self, arm: str = "A", **kwargs):
+        bs = kwargs.setdefault("batch_size", 1)
+        if str(bs) != "1":
+            raise ValueError(f"RecordingHFLM needs batch_size=1 (got {bs!r}) so the fed ids are recorded unpadded")
+        super().__init__(**kwargs)
+        self._init_records(arm)
+        self._last_strings: list[str] = []
+        self._by_context: dict[str, tuple[list[int], list[int]]] = {}
+
+    def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
+        """HFLM's batch encoding; remembers the strings of the batch being generated."""
+        self._last_strings = list(strings)
+        return super().tok_batch_encode(strings, padding_side=padding_side, left_truncate_len=left_truncate_len,
+                                        truncation=truncation)
+
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        if len(self._last_strings) != context.shape[0]:
+            raise RuntimeError("RecordingHFLM lost track of the batch being generated")
+        for i, s in enumerate(self._last_strings):
+            mask = generation_kwargs.get("attention_mask")
+            row = context[i] if mask is None else context[i][mask[i].bool()]
+            self._by_context[s] = (row.tolist(), out[i, context.shape[1]:].tolist())
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        """HFLM's ``generate_until``, then one :class:`GenRecord` per request."""
+        res = super().generate_until(requests, disable_tqdm=disable_tqdm)
+        for req, text in zip(requests, res):
+            ids, gen = self._by_context[req.args[0]]
+            kwargs = normalize_gen_kwargs(req.args[1], self.max_gen_toks)
+            self._record(req, ids, gen, text, kwargs["max_gen_toks"])
+        return res
+
+    def first_token_logprobs(self, prompt_ids: Sequence[int], request_id: str | None = None) -> torch.Tensor:
+        """``[V]`` float32 log-probabilities of the first generated token after ``prompt_ids``, from
+        the backend's own forward (``HFLM._model_call``)."""
+        inp = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
+        logits = self._model_call(inp)[0, -1].float()
+        return torch.log_softmax(logits, dim=-1).cpu()
+
+
+# -- arms B, C, D: token-id LMs -----------------------------------------------------------------------
+class _TokenIdLM(RecordingMixin, LM):
+    """Base of arms B-D: lm-eval LM that tokenizes like HFLM and generates from token ids."""
+
+    def __init__(self, arm: str, model, tokenizer, *, max_length: int | None = None,
+                 add_bos_token: bool | None = None, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
+        super().__init__()
+        self._init_records(arm)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_length = int(max_length or default_max_length(model, tokenizer))
+        self.add_bos_token = add_bos_token
+        self.max_gen_toks = int(max_gen_toks)
+        self.eos_ids = eos_ids_of(model)
+        eot = tokenizer.eos_token_id
+        self.eos_string = None if eot is None else tokenizer.decode(eot, skip_special_tokens=False)
+
+    # lm-eval interface
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        """Not used by the quality tasks (all ``generate_until``)."""
+        raise NotImplementedError(f"arm {self.arm}: loglikelihood requests are not supported (generate_until only)")
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        """Not used by the quality tasks (all ``generate_until``)."""
+        raise NotImplementedError(f"arm {self.arm}: loglikelihood_rolling requests are not supported")
+
+    def _prepare(self, req) -> dict[str, Any]:
+        context, gen_kwargs = req.args[0], req.args[1]
+        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        if kwargs.get("do_sample"):
+            raise ValueError(f"arm {self.arm}: only greedy generation is supported (do_sample=True requested)")
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=self.eos_string)
+        max_gen_toks = int(kwargs.pop("max_gen_toks"))
+        max_ctx_len = self.max_length - max_gen_toks
+        if max_ctx_len <= 0:
+            raise ValueError(f"arm {self.arm}: max_gen_toks={max_gen_toks} must be below max_length={self.max_length}")
+        ids = encode_context(self.tokenizer, context, max_ctx_len, self.add_bos_token)
+        return {
+            "req": req, "ids": ids, "max_gen_toks": max_gen_toks,
+            "rule": StopRule(self.tokenizer, until, self.eos_ids),
+            "request_id": request_id_for(req.task_name, req.doc_id),
+        }
+
+    def _generate_ids(self, prepared: list[dict[str, Any]]) -> list[list[int]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy generation for lm-eval requests, recorded per document."""
+        prepared = [self._prepare(r) for r in requests]
+        gens = self._generate_ids(prepared)
+        out = []
+        for p, gen in zip(prepared, gens):
+            cut = p["rule"].cut(gen[: p["max_gen_toks"]])
+            text = p["rule"].text(cut)
+            self._record(p["req"], p["ids"], cut, text, p["max_gen_toks"])
+            out.append(text)
+        return out
+
+
+class PlainRoutedLM(_TokenIdLM):
+    """Arm B: the checkpoint in process, in plain PyTorch, with routed layers (RUN / Project-Only rows per
+    the skipper): one prefill forward and one forward per token with a ``DynamicCache``
+    (:func:`impl.vskipper.routed.plain_forward`), the rows described as request ``<task>/<doc_id>``.
+
+    Args:
+        model: the checkpoint's causal LM; routed layers are installed from ``skipper`` unless the model
+            already has them (``routed_context(model)``).
+        tokenizer: its tokenizer.
+        skipper: the policy (validated first), or None when the model is already routed or when a
+            dense in-process arm is wanted.
+        arm, max_length, add_bos_token, max_gen_toks: see :class:`_TokenIdLM` (``max_length`` default:
+            as lm-eval's HF backend).
+    """
+
+    def __init__(self, model, tokenizer, skipper=None, *, arm: str = "B", max_length: int | None = None,
+                 add_bos_token: bool | None = None, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
+        from impl.vskipper.routed import install_routed_layers, routed_context
+        from impl.vskipper.skipper import validate_skipper
+
+        super().__init__(arm, model, tokenizer, max_length=max_length, add_bos_token=add_bos_token,
+                         max_gen_toks=max_gen_toks)
+        if skipper is not None:
+            if routed_context(model) is not None:
+                raise ValueError("the model already has routed layers installed; pass skipper=None")
+            cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            validate_skipper(skipper, cfg.num_hidden_layers, hidden_size=cfg.hidden_size)
+            param = next(model.parameters())
+            skipper.to(device=param.device, dtype=param.dtype)
+            install_routed_layers(model, skipper)
+        self.skipper = skipper
+
+    @torch.no_grad()
+    def generate_one(self, prompt_ids: Sequence[int], request_id: str, max_gen_toks: int, rule: StopRule) -> list[int]:
+        """Greedy ids for one prompt, stopping by ``rule`` or after ``max_gen_toks`` tokens."""
+        from transformers import DynamicCache
+
+        from impl.vskipper.routed import plain_forward
+
+        device = next(self.model.parameters()).device
+        cache = DynamicCache(config=self.model.config)
+        n = len(prompt_ids)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+        logits = plain_forward(self.model, ids, cache, request_id=request_id, prompt_len=n)[0, -1]
+        out: list[int] = []
+        while True:
+            tok = int(logits.argmax())
+            out.append(tok)
+            if len(out) >= max_gen_toks or rule.done(out):
+                return out
+            step = torch.tensor([[tok]], dtype=torch.long, device=device)
+            logits = plain_forward(self.model, step, cache, request_id=request_id, prompt_len=n)[0, -1]
+
+    def _generate_ids(self, prepared):
+        return [self.generate_one(p["ids"], p["request_id"], p["max_gen_toks"], p["rule"]) for p in prepared]
+
+    @torch.no_grad()
+    def first_token_logprobs(self, prompt_ids: Sequence[int], request_id: str) -> torch.Tensor:
+        """``[V]`` float32 first-token log-probabilities from one plain (routed) prefill forward."""
+        from transformers import DynamicCache
+
+        from impl.vskipper.routed import plain_forward
+
+        device = next(self.model.parameters()).device
+        cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+        logits = plain_forward(self.model, ids, cache, request_id=request_id, prompt_len=len(prompt_ids))[0, -1]
+        return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+class EngineLM(_TokenIdLM):
+    """Arms C and D: lm-eval LM over transformers' continuous-batching engine
+    (:func:`impl.vskipper.engine.generate_greedy`). All requests of one ``generate_until`` call with
+    the same budget are submitted together and batched by the engine.
+
+    Args:
+        model: the causal LM; for ``mode="routed"`` bound with :func:`impl.vskipper.engine.bind_skipper`
+            (pass ``skipper`` to bind here).
+        tokenizer: its tokenizer.
+        mode: ``"dense"`` (arm C, the upstream engine) or ``"routed"`` (arm D, always-route).
+        skipper: bind this policy first (``mode="routed"`` only).
+        cb_config: engine configuration (default :func:`impl.vskipper.engine.routed_cb_config`, the
+            same for both arms).
+        timeout_s: per engine call.
+        arm, max_length, add_bos_token, max_gen_toks: see :class:`_TokenIdLM`.
+
+    Raises:
+        ValueError: for an unknown mode, or a skipper with ``mode="dense"``.
+    """
+
+    def __init__(self, model, tokenizer, *, mode: str, skipper=None, cb_config=None, timeout_s: float = 3600.0,
+                 arm: str | None = None, max_length: int | None = None, add_bos_token: bool | None = None,
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
+        if mode not in ("dense", "routed"):
+            raise ValueError(f"mode must be 'dense' or 'routed', got {mode!r}")
+        super().__init__(arm or ("C" if mode == "dense" else "D"), model, tokenizer, max_length=max_length,
+                         add_bos_token=add_bos_token, max_gen_toks=max_gen_toks)
+        if skipper is not None:
+            if mode != "routed":
+                raise ValueError("a skipper is only bound for mode='routed'")
+            from impl.vskipper.engine import bind_skipper
+
+            bind_skipper(model, skipper)
+        self.mode = mode
+        self.cb_config = cb_config
+        self.timeout_s = float(timeout_s)
+
+    def _engine_eos(self) -> int | None:
+        return next(iter(self.eos_ids)) if len(self.eos_ids) == 1 else None
+
+    def _generate_ids(self, prepared):
+        from impl.vskipper.engine import generate_greedy
+
+        out: list[list[int] | None] = [None] * len(prepared)
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(prepared):
+            groups.setdefault(p["max_gen_toks"], []).append(i)
+        for budget, idx in groups.items():
+            ids = generate_greedy(
+                self.model, [prepared[i]["ids"] for i in idx], max_new_tokens=budget, mode=self.mode,
+                request_ids=[prepared[i]["request_id"] for i in idx], eos_token_id=self._engine_eos(),
+                cb_config=self.cb_config, timeout_s=self.timeout_s,
+            )
+            for i, g in zip(idx, ids):
+                out[i] = list(g)
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def first_token_logprobs(self, prompt_ids: Sequence[int], request_id: str) -> torch.Tensor:
+        """``[V]`` float32 first-token log-probabilities as the engine computes them: the LM head's output
+        for the request's last prompt row in the engine's own forward (a forward hook on
+        ``lm_head`` while the engine generates one token), checked against the log-probability the
+        engine reports for the token it picked.
+
+        Raises:
+            RuntimeError: when the hooked logits do not reproduce the engine's token or its
+                log-probability (within 1e-4 nats).
+        """
+        from impl.vskipper.engine import generate_greedy
+
+        head = self.model.get_output_embeddings()
+        captured: list[torch.Tensor] = []
+
+        def hook(_mod, _inp, output):
+            captured.append(output.detach()[0, -1].float().cpu())
+
+        handle = head.register_forward_hook(hook)
+        try:
+            ids, lps = generate_greedy(
+                self.model, [list(prompt_ids)], max_new_tokens=1, mode=self.mode, request_ids=[request_id],
+                eos_token_id=None, cb_config=self.cb_config, return_logprobs=True, timeout_s=self.timeout_s,
+            )
+        finally:
+            handle.remove()
+        if not captured:
+            raise RuntimeError(f"arm {self.arm}: the engine's LM head was not called")
+        logprobs = torch.log_softmax(captured[-1], dim=-1)
+        tok, lp = int(ids[0][0]), float(lps[0][0])
+        if int(logprobs.argmax()) != tok or abs(float(logprobs[tok]) - lp) > 1e-4:
+            raise RuntimeError(
+                f"arm {self.arm}: hooked LM-head logits (argmax {int(logprobs.argmax())}, logprob "
+                f"{float(logprobs[tok]):.6f}) do not reproduce the engine's first token {tok} (logprob {lp:.6f})"
+            )
+        return logprobs

@@ -1,0 +1,350 @@
+"""The quality 2x2 end to end (vSkipper Sec. 4.1 "Quality", Table 5 left, App. E.1-E.2).
+
+:func:`run_quality` generates the task YAMLs over the local data, evaluates the four arms with
+lm-eval on the same documents, gates on identical prompt token ids, computes the per-document paired
+DiD ``(D - C) - (B - A)`` with a 95 % interval per suite and metric, measures first-token agreement
+on a few prompts, and writes the rows (with provenance) under ``out``.
+
+Outputs (``out`` is a directory):
+
+- ``tasks/``: the generated lm-eval task YAMLs (``tasks.json`` lists the data files);
+- ``quality.jsonl``: one row per document x arm (``kind="doc"``), one per suite x metric and per BBH
+  task (``kind="summary"``), one per agreement prompt x arm pair (``kind="first_token"``);
+- ``summary.json``: the summary rows, the first-token rows and the run's configuration;
+- ``lm_eval_<arm>.json``: lm-eval's aggregate results of each arm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from impl.provenance import provenance, write_json, write_jsonl
+
+from .arms import ARMS, EngineLM, GenRecord, PlainRoutedLM, RecordingHFLM, default_max_length, request_id_for
+from .did import check_prompt_hashes, first_token_agreement, per_doc_scores, summarize
+from .tasks import PRIMARY_METRIC, QUALITY_SUITES, TaskOptions, TaskSet, write_task_yamls
+
+__all__ = ["QualityResult", "run_quality", "resolve_skipper", "offline"]
+
+
+@dataclass
+class QualityResult:
+    """What :func:`run_quality` produced.
+
+    Attributes:
+        rows: every row written to ``quality.jsonl``.
+        summary: the ``kind="summary"`` rows.
+        first_token: the ``kind="first_token"`` rows.
+        records: ``arm -> {(task, doc_id): GenRecord}``.
+        scores: ``arm -> {(task, doc_id): per-document scores}`` (:func:`impl.quality.did.per_doc_scores`).
+        tasks: the generated :class:`~impl.quality.tasks.TaskSet`.
+        out: the output directory.
+        wall_s: ``arm -> seconds`` of its load + lm-eval evaluation (informational, not a speed comparison).
+    """
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    summary: list[dict[str, Any]] = field(default_factory=list)
+    first_token: list[dict[str, Any]] = field(default_factory=list)
+    records: dict[str, dict[tuple[str, int], GenRecord]] = field(default_factory=dict)
+    scores: dict[str, dict[tuple[str, int], dict]] = field(default_factory=dict)
+    tasks: TaskSet | None = None
+    out: Path | None = None
+    wall_s: dict[str, float] = field(default_factory=dict)
+
+    def summary_for(self, suite: str, metric: str | None = None) -> dict[str, Any]:
+        """The suite-level summary row of ``metric`` (default: the suite's primary metric)."""
+        if metric is None:
+            m, f = PRIMARY_METRIC[suite]
+            metric = f"{m},{f}"
+        for r in self.summary:
+            if r["suite"] == suite and r["metric"] == metric and r.get("task") is None:
+                return r
+        raise KeyError(f"no summary row for suite {suite!r}, metric {metric!r}")
+
+
+@contextlib.contextmanager
+def offline():
+    """Run lm-eval / datasets / huggingface_hub fully offline inside the block (environment variables and
+    the already-imported libraries' flags), restoring the previous state afterwards."""
+    env_keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    old_env = {k: os.environ.get(k) for k in env_keys}
+    patched: list[tuple[Any, str, Any]] = []
+    try:
+        for k in env_keys:
+            os.environ[k] = "1"
+        import datasets.config as dcfg
+        import huggingface_hub.constants as hcst
+
+        for mod, attr in ((hcst, "HF_HUB_OFFLINE"), (dcfg, "HF_HUB_OFFLINE"), (dcfg, "HF_DATASETS_OFFLINE")):
+            if hasattr(mod, attr):
+                patched.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, True)
+        yield
+    finally:
+        for mod, attr, val in reversed(patched):
+            setattr(mod, attr, val)
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def resolve_skipper(skipper):
+    """A :class:`~impl.vskipper.skipper.Skipper` from an instance, a registered name, or a spec dict
+    ``{"name": ..., **kwargs}`` (:func:`impl.vskipper.skipper.build_skipper`).
+
+    Raises:
+        ValueError: for anything else or an unknown name.
+    """
+    from impl.vskipper.skipper import Skipper, build_skipper
+
+    if isinstance(skipper, Skipper):
+        return skipper
+    if isinstance(skipper, str):
+        return build_skipper(skipper)
+    if isinstance(skipper, Mapping):
+        spec = dict(skipper)
+        name = spec.pop("name", None)
+        if not name:
+            raise ValueError(f"a skipper spec needs a 'name' key, got {dict(skipper)}")
+        return build_skipper(name, **spec)
+    raise ValueError(f"skipper must be a Skipper, a registered name or a spec dict, got {type(skipper).__name__}")
+
+
+def _skipper_desc(skipper) -> dict[str, Any]:
+    return {"class": type(skipper).__name__, "name": getattr(skipper, "registered_name", None),
+            "routed_layers": list(skipper.routed_layers), "repr": repr(skipper)}
+
+
+def _jsonable(obj):
+    """JSON-safe copy (functions and other objects in lm-eval's configs become their ``str``)."""
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    try:
+        return version("lm_eval")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _evaluate(lm, ts: TaskSet, tm, limit, seed: int, fewshot_seed: int) -> dict:
+    import lm_eval
+
+    res = lm_eval.simple_evaluate(
+        model=lm, tasks=ts.task_names, task_manager=tm, limit=limit, log_samples=True, bootstrap_iters=0,
+        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=fewshot_seed,
+        apply_chat_template=False,
+    )
+    if res is None:
+        raise RuntimeError("lm_eval.simple_evaluate returned nothing")
+    return res
+
+
+def _agreement_keys(records: Mapping[tuple[str, int], GenRecord], ts: TaskSet, per_suite: int) -> list[tuple[str, int]]:
+    keys = []
+    for suite, names in ts.tasks.items():
+        mine = sorted(k for k in records if ts.suite_of.get(k[0]) == suite)
+        keys += mine[:per_suite]
+    return keys
+
+
+def run_quality(
+    model_dir: str | os.PathLike,
+    skipper,
+    data_dir: str | os.PathLike,
+    tasks: Sequence[str] = QUALITY_SUITES,
+    limit: int | float | None = None,
+    out: str | os.PathLike = "results/quality",
+    *,
+    checkpoint_dir: str | os.PathLike | None = None,
+    options: TaskOptions | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_length: int | None = None,
+    add_bos_token: bool | None = None,
+    cb_config=None,
+    first_token_docs: int = 2,
+    tol: float = 0.01,
+    seed: int = 1234,
+    run_id: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    arms: Iterable[str] = ("A", "B", "C", "D"),
+) -> QualityResult:
+    """Run the quality 2x2 (A base / B checkpoint in process; C base / D checkpoint served) on ``tasks``.
+
+    Args:
+        model_dir: the base model's local Hugging Face directory (its tokenizer is used by every arm).
+        skipper: the checkpoint's skipper for arms B and D: a :class:`~impl.vskipper.skipper.Skipper`
+            (e.g. RandomSkip, a loaded FlexiDepth skipper), a registered name, or a spec dict
+            ``{"name": ..., **kwargs}``.
+        data_dir: the data folder (SOURCES.md).
+        tasks: suites among :data:`~impl.quality.tasks.QUALITY_SUITES` (``gsm8k``, ``bbh``, ``coqa``).
+        limit: lm-eval ``limit``: the first N documents of each lm-eval task (each BBH task counts
+            separately); None for all.
+        out: output directory (see the module docstring).
+        checkpoint_dir: the checkpoint's model directory for B and D (default ``model_dir``: the
+            skipper runs on the base weights, as FlexiDepth and RandomSkip do).
+        options: :class:`~impl.quality.tasks.TaskOptions` (few-shot, generation budgets, BBH tasks).
+        device: torch device of every arm.
+        dtype: weight dtype name (``"float32"``, ``"bfloat16"``, ...).
+        max_length: context window used by every arm for left truncation (default: lm-eval's rule on
+            the base model's config).
+        add_bos_token: lm-eval's ``add_bos_token`` (None: the tokenizer's own rule), for every arm.
+        cb_config: engine configuration of arms C and D (default
+            :func:`impl.vskipper.engine.routed_cb_config`).
+        first_token_docs: documents per suite (the first by doc id) used for first-token agreement
+            (0 turns it off).
+        tol: agreement tolerance in nats (App. E.1: 0.01).
+        seed: lm-eval random seeds.
+        run_id, config: provenance (``config`` is hashed; default: this call's arguments).
+        arms: the arms to run; the DiD needs all four.
+
+    Returns:
+        a :class:`QualityResult` (also written under ``out``).
+
+    Raises:
+        impl.quality.did.PromptMismatchError: when the arms fed different token ids to any document.
+        ValueError: for an unknown suite / arm / skipper.
+        FileNotFoundError: for a missing model directory or data file.
+    """
+    from lm_eval.tasks import TaskManager
+
+    from impl.models.load import load_model, load_tokenizer
+
+    arms = [a for a in arms]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ValueError(f"unknown arm(s) {unknown}; choices: {list(ARMS)}")
+    opts = options or TaskOptions()
+    model_dir = Path(model_dir)
+    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else model_dir
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    skip = resolve_skipper(skipper) if any(a in arms for a in ("B", "D")) else None
+    torch_dtype = getattr(torch, dtype)
+
+    tokenizer = load_tokenizer(model_dir)
+    if max_length is None:
+        from transformers import AutoConfig
+
+        max_length = default_max_length(AutoConfig.from_pretrained(model_dir, local_files_only=True), tokenizer)
+    cfg = dict(config) if config is not None else {
+        "model_dir": str(model_dir), "checkpoint_dir": str(ckpt_dir), "data_dir": str(data_dir),
+        "tasks": list(tasks), "limit": limit, "options": opts.to_dict(), "device": device, "dtype": dtype,
+        "max_length": max_length, "add_bos_token": add_bos_token, "seed": seed, "tol": tol,
+        "first_token_docs": first_token_docs, "arms": arms,
+        "skipper": None if skip is None else _skipper_desc(skip),
+        "cb_config": None if cb_config is None else repr(cb_config),
+    }
+    prov = provenance(cfg, seed=seed, device=device, dtype=dtype, run_id=run_id)
+    prov["lm_eval_version"] = _lm_eval_version()
+
+    ts = write_task_yamls(data_dir, out / "tasks", tasks, opts)
+    result = QualityResult(tasks=ts, out=out)
+    agreement_lp: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    agreement_keys: list[tuple[str, int]] | None = None
+    common = dict(max_length=max_length, add_bos_token=add_bos_token)
+
+    with offline():
+        tm = TaskManager(include_path=str(ts.include_path), include_defaults=False)
+        for arm in arms:
+            model = None
+            t0 = time.perf_counter()
+            if arm == "A":
+                lm = RecordingHFLM(arm="A", pretrained=str(model_dir), tokenizer=str(model_dir), device=device,
+                                   dtype=dtype, batch_size=1, **common)
+            else:
+                model = load_model(ckpt_dir if arm in ("B", "D") else model_dir, dtype=torch_dtype).to(device)
+                if arm == "B":
+                    lm = PlainRoutedLM(model, tokenizer, skip, arm="B", **common)
+                elif arm == "C":
+                    lm = EngineLM(model, tokenizer, mode="dense", cb_config=cb_config, arm="C", **common)
+                else:
+                    lm = EngineLM(model, tokenizer, mode="routed", skipper=skip, cb_config=cb_config, arm="D",
+                                  **common)
+            res = _evaluate(lm, ts, tm, limit, seed, opts.fewshot_seed)
+            result.wall_s[arm] = time.perf_counter() - t0
+            scores = per_doc_scores(res.get("samples", {}), arm)
+            if set(scores) != set(lm.records):
+                raise RuntimeError(
+                    f"arm {arm}: lm-eval scored {len(scores)} documents but {len(lm.records)} were generated"
+                )
+            result.records[arm] = dict(lm.records)
+            result.scores[arm] = scores
+            # gate early: every arm against the first one
+            first = arms[0]
+            check_prompt_hashes({first: result.records[first], arm: result.records[arm]})
+            write_json(out / f"lm_eval_{arm}.json", _jsonable({
+                "results": res.get("results"), "configs": res.get("configs"), "n-samples": res.get("n-samples"),
+                "arm": arm, "arm_desc": ARMS[arm], "wall_s": result.wall_s[arm]}))
+            if first_token_docs > 0:
+                if agreement_keys is None:
+                    agreement_keys = _agreement_keys(result.records[arm], ts, first_token_docs)
+                for key in agreement_keys:
+                    rec = result.records[arm][key]
+                    agreement_lp.setdefault(key, {})[arm] = lm.first_token_logprobs(rec.prompt_ids, rec.request_id)
+            del lm, model
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    n_docs = check_prompt_hashes(result.records)
+    rows: list[dict[str, Any]] = []
+    for arm in arms:
+        for key, rec in sorted(result.records[arm].items()):
+            sc = result.scores[arm][key]
+            suite = ts.suite_of[key[0]]
+            m, f = PRIMARY_METRIC[suite]
+            primary = f"{m},{f}"
+            rows.append({
+                "kind": "doc", "suite": suite, **rec.to_row(with_ids=False), "arm_desc": ARMS[arm],
+                "metric": primary, "score": sc["scores"].get(primary), "scores": sc["scores"],
+                "filtered": sc["filtered"], "target": sc.get("target"), **prov,
+            })
+
+    if all(a in arms for a in ("A", "B", "C", "D")):
+        for suite, names in ts.tasks.items():
+            keys = sorted(k for k in result.records["A"] if ts.suite_of[k[0]] == suite)
+            if not keys:
+                continue
+            m, f = PRIMARY_METRIC[suite]
+            primary = f"{m},{f}"
+            metrics = sorted(result.scores["A"][keys[0]]["scores"])
+            for metric in metrics:
+                row = summarize(result.scores, result.records, keys, metric, suite=suite)
+                row.update({"kind": "summary", "task": None, "primary": metric == primary, "n_docs_checked": n_docs,
+                            "prompt_hashes_equal": True, **prov})
+                result.summary.append(row)
+            if len(names) > 1:
+                for name in names:
+                    tkeys = [k for k in keys if k[0] == name]
+                    if tkeys:
+                        row = summarize(result.scores, result.records, tkeys, primary, suite=suite)
+                        row.update({"kind": "summary", "task": name, "primary": True, "prompt_hashes_equal": True,
+                                    **prov})
+                        result.summary.append(row)
+    for key, lps in sorted(agreement_lp.items()):
+        rec = result.records[arms[0]][key]
+        for r in first_token_agreement(lps, k=5, tol=tol):
+            result.first_token.append({"kind": "first_token", "suite": ts.suite_of[key[0]], "task": key[0],
+                                       "doc_id": key[1], "prompt_hash": rec.prompt_hash, **r, **prov})
+    rows += result.summary + result.first_token
+    result.rows = rows
+    write_jsonl(out / "quality.jsonl", rows)
+    write_json(out / "summary.json", {"config": cfg, "provenance": prov, "summary": result.summary,
+                                      "first_token": result.first_token,
+                                      "wall_s": result.wall_s, "n_docs": n_docs})
+    return result

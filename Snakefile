@@ -20,6 +20,7 @@ include: "workflows/models.smk"
 include: "workflows/workloads.smk"
 include: "workflows/ead.smk"
 include: "workflows/dex.smk"
+include: "workflows/tev.smk"
 include: "workflows/report.smk"
 
 

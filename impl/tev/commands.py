@@ -1,0 +1,159 @@
+"""``python -m impl`` commands of the TEV/ExitTrain experiments (registered by :mod:`impl.cli`).
+
+- ``tev-train``: target rollouts on ShareGPT prompts (once), the base DFlash-style drafter (dense
+  decayed token loss), then each ExitTrain objective (token-only, prefix-weighted, exit-guided)
+  fine-tuned from the base with matched initialisation, data and steps; drafters saved under one
+  directory (``base/``, ``token/``, ``prefix/``, ``exit/``) with a JSON summary.
+- ``tev-cell``: every decoding arm on one (model, workload) (:mod:`impl.tev.cell`).
+- ``tev-latency``: verifier-stage latency of predraw, sequential residual and TEV on the same
+  realised trees (Table 3).
+- ``tev-tables``: the five tables from raw rows (:mod:`impl.tev.report`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("impl")
+
+DRAFTER_KEYS = ("base", "token", "prefix", "exit")
+
+
+def cmd_tev_train(args) -> None:
+    import torch
+
+    from ..cli import _config, _load
+    from ..models.load import load_tokenizer
+    from ..provenance import atomic_path, provenance, write_json
+    from .drafter import DrafterConfig, DrafterTrainConfig, make_rollouts, sharegpt_prompt_ids, train_drafter
+    from .train import ExitTrainConfig, train_exittrain
+
+    cfg = _config(args)
+    if "tev" not in cfg:
+        raise SystemExit("error: the config has no 'tev' section")
+    t, d, e = cfg["tev"], cfg["tev"]["drafter"], cfg["tev"]["exittrain"]
+    torch.set_num_threads(d["threads"])
+    target = _load(cfg, args.model_dir)
+    tok = load_tokenizer(args.model_dir)
+    prompts = sharegpt_prompt_ids(tok, cfg["data_dir"], d["prompts"], max_prompt_tokens=d["prompt_max_tokens"])
+    dcfg = DrafterConfig(block_size=d["block_size"], n_layers=d["n_layers"])
+    eos = target.config.eos_token_id if t["stop_at_eos"] else None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg["seed"])
+        from .drafter import BlockDrafter
+
+        layers = BlockDrafter(target, dcfg).feature_layers
+    data = make_rollouts(target, prompts, layers, new_tokens=d["rollout_new_tokens"],
+                         temperature=d["rollout_temperature"], eos_token_id=eos, seed=cfg["seed"])
+    tcfg = DrafterTrainConfig(drafter=dcfg, steps=d["steps"], batch_size=d["batch_size"], lr=d["lr"], gamma=d["gamma"],
+                              seed=cfg["seed"], progress=not args.quiet)
+    with torch.enable_grad():
+        base, base_summary = train_drafter(target, None, tcfg, data=data)
+    summaries = {"base": base_summary}
+    drafters = {"base": base}
+    ecfg = ExitTrainConfig(steps=e["steps"], batch_size=e["batch_size"], tree_contexts_per_seq=e["tree_contexts_per_seq"],
+                           budget=e["budget"], lambda_exit=e["lambda_exit"], target_temperature=e["target_temperature"],
+                           lr=e["lr"], gamma=d["gamma"], seed=cfg["seed"], eval_prompts=0, progress=not args.quiet)
+    for obj in e["objectives"]:
+        with torch.enable_grad():
+            drafters[obj], summaries[obj] = train_exittrain(target, base, data, ecfg, objective=obj)
+        log.info("tev-train %s: %.0f s", obj, summaries[obj]["seconds"]["total"])
+    with atomic_path(args.out) as tmp:
+        for k, dr in drafters.items():
+            dr.save(Path(tmp) / k)
+    summary = {"model_dir": str(args.model_dir), "n_prompts": len(prompts), "rollout_tokens": data.rollout_tokens,
+               "rollout_seconds": data.seconds, "drafters": sorted(drafters), "summaries": summaries,
+               **provenance(cfg, seed=cfg["seed"])}
+    write_json(args.summary, summary)
+
+
+def cmd_tev_cell(args) -> None:
+    import torch
+
+    from ..cli import _config, _load
+    from ..provenance import provenance, read_jsonl, write_jsonl
+    from .cell import run_tev_cell, tev_arms
+    from .drafter import BlockDrafter
+
+    cfg = _config(args)
+    if "tev" not in cfg:
+        raise SystemExit("error: the config has no 'tev' section")
+    t = cfg["tev"]
+    torch.set_num_threads(cfg["threads"])
+    target = _load(cfg, args.model_dir)
+    root = Path(args.drafters)
+    drafters = {k: BlockDrafter.load(root / k, target) for k in DRAFTER_KEYS if (root / k).is_dir()}
+    if "base" not in drafters:
+        raise FileNotFoundError(f"no base drafter under {root} (built by the tev_train rule / python -m impl tev-train)")
+    prompts = [p for p in read_jsonl(args.prompts) if p.get("input_ids")][: t["n_prompts"]]
+    arms = tev_arms(t["budget"], t["budgets"], tuple(drafters))
+    eos = target.config.eos_token_id if t["stop_at_eos"] else None
+    rows = run_tev_cell(target, drafters, prompts, arms, temperatures=t["temperatures"], depth=t["depth"],
+                        max_new_tokens=t["max_new_tokens"], eos=eos, seed=cfg["seed"], progress=not args.quiet)
+    prov = provenance(cfg, seed=cfg["seed"])
+    for r in rows:
+        r.update(model=args.model, **prov)
+    write_jsonl(args.out, rows)
+    bad = sorted({r["arm"] for r in rows if r.get("ar_match") is False})
+    log.info("%s: %d rows; T=0 arms differing from AR: %s", args.out, len(rows), bad or "none")
+
+
+def cmd_tev_latency(args) -> None:
+    import torch
+
+    from ..cli import _config, _load
+    from ..provenance import provenance, read_jsonl, write_jsonl
+    from .drafter import BlockDrafter
+    from .latency import verifier_latency
+
+    cfg = _config(args)
+    t = cfg["tev"]
+    lat = t["latency"]
+    torch.set_num_threads(cfg["threads"])
+    target = _load(cfg, args.model_dir)
+    drafter = BlockDrafter.load(Path(args.drafters) / "base", target)
+    prompts = [p["input_ids"] for p in read_jsonl(args.prompts) if p.get("input_ids")][: t["n_prompts"]]
+    rows = verifier_latency(target, drafter, prompts, budgets=tuple(lat["budgets"]), depth=t["depth"],
+                            temperature=lat["temperature"], n_trees=lat["trees"], repeats=lat["repeats"],
+                            seed=cfg["seed"])
+    prov = provenance(cfg, seed=cfg["seed"])
+    write_jsonl(args.out, [{**r, "model": args.model, **prov} for r in rows])
+
+
+def cmd_tev_tables(args) -> None:
+    from ..provenance import read_jsonl
+    from ..report.tables import write_table
+    from .report import tev_tables
+
+    rows = [r for f in args.cells for r in read_jsonl(f)]
+    latency = [r for f in args.latency for r in read_jsonl(f)]
+    summaries = [json.loads(Path(f).read_text()) for f in args.train]
+    for name, df in tev_tables(rows, latency, summaries).items():
+        write_table(df, Path(args.out_dir) / name)
+
+
+def register(add) -> None:
+    """Add the TEV commands to the ``python -m impl`` parser (``add(name, fn, help)``)."""
+    sp = add("tev-train", cmd_tev_train, "TEV: rollouts, base drafter, ExitTrain objectives (token/prefix/exit)")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--out", required=True, help="directory for the drafters (base/, token/, prefix/, exit/)")
+    sp.add_argument("--summary", required=True, help="training summary JSON")
+    sp = add("tev-cell", cmd_tev_cell, "TEV: every decoding arm on one (model, workload), checked against AR")
+    sp.add_argument("--model", required=True, help="model name recorded in the rows")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--drafters", required=True, help="directory written by tev-train")
+    sp.add_argument("--prompts", required=True, help="token-id prompt suite (first tev.n_prompts used)")
+    sp.add_argument("--out", required=True)
+    sp = add("tev-latency", cmd_tev_latency, "TEV: verifier-stage latency on the same realised trees (Table 3)")
+    sp.add_argument("--model", required=True)
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--drafters", required=True)
+    sp.add_argument("--prompts", required=True)
+    sp.add_argument("--out", required=True)
+    sp = add("tev-tables", cmd_tev_tables, "TEV: main, objective, crossed, budget and latency tables")
+    sp.add_argument("--cells", nargs="+", required=True)
+    sp.add_argument("--latency", nargs="*", default=[])
+    sp.add_argument("--train", nargs="*", default=[])
+    sp.add_argument("--out-dir", required=True)

@@ -10,6 +10,11 @@ The decoding pipeline (Sec. 2): a DFlash-style block drafter conditioned on targ
 (``drafter``, with its rollout training), DDTree's best-first builder or a DFlash chain (``builder``),
 and the batch-1 loop drafter -> builder -> one target tree forward -> verifier -> KV commit
 (``decode.tev_decode``), exact against AR at T = 0 and in distribution at T > 0.
+
+ExitTrain (Sec. 5-6.2; ``train``): the drafter is fine-tuned with L_tok + lambda L_exit, where
+L_exit (Eq. 14, App. C.2 row form) reweights the draft likelihood of every node of the tree the
+current drafter builds by its detached exit mass w(v); token-only and prefix-weighted controls share
+the initialisation, the rollouts (``drafter.make_rollouts``) and the data order.
 """
 
 from .builder import best_first_tree, chain_tree
@@ -18,8 +23,10 @@ from .drafter import (
     BlockDrafter,
     DrafterConfig,
     DrafterTrainConfig,
+    RolloutData,
     drafter_dir_for,
     evaluate_drafter,
+    make_rollouts,
     sharegpt_prompt_ids,
     sharegpt_prompt_texts,
     target_features,
@@ -32,6 +39,16 @@ from .exit_law import (
     residual_distribution,
     target_coverage,
 )
+from .train import (
+    OBJECTIVES,
+    ExitTrainConfig,
+    evaluate_decoding,
+    evaluate_trees,
+    exit_loss,
+    prefix_weights,
+    train_exittrain,
+    tree_target_logits,
+)
 from .tree import DraftTree, ancestor_mask, path_to, tree_attention_mask, validate_tree
 from .verify import VERIFIERS, greedy_follow, predraw_follow, sequential_residual, tev
 
@@ -40,18 +57,28 @@ __all__ = [
     "DraftTree",
     "DrafterConfig",
     "DrafterTrainConfig",
+    "ExitTrainConfig",
+    "OBJECTIVES",
+    "RolloutData",
     "FixedDrafter",
     "TEVResult",
     "best_first_tree",
     "chain_tree",
     "commit_cache",
     "drafter_dir_for",
+    "evaluate_decoding",
     "evaluate_drafter",
+    "evaluate_trees",
+    "exit_loss",
+    "make_rollouts",
+    "prefix_weights",
     "sharegpt_prompt_ids",
     "sharegpt_prompt_texts",
     "target_features",
     "tev_decode",
     "train_drafter",
+    "train_exittrain",
+    "tree_target_logits",
     "VERIFIERS",
     "ancestor_mask",
     "check_target_probs",

@@ -35,8 +35,9 @@ at random response positions a (block input ``[x_a, MASK...]``, context = featur
 ``< a``); many anchors of one sequence share one drafter pass with a block-diagonal mask (as in
 DFlash/SpecForge). The dense token loss L_tok (Eq. 15) weights the cross-entropy of depth d = k + 1
 by ``exp(-(d - 1) / gamma)`` (DFlash's exponential position decay, ``w_k = exp(-(k-1)/gamma)`` for
-mask position k >= 1) and divides by the sum of the weights; AdamW. The exit-guided term L_exit is
-not part of this module.
+mask position k >= 1) and divides by the sum of the weights; AdamW. The rollouts and their features
+are made once (:func:`make_rollouts`, :class:`RolloutData`) and can be shared with ExitTrain; the
+exit-guided term L_exit lives in :mod:`impl.tev.train`.
 """
 
 from __future__ import annotations
@@ -638,15 +639,93 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 
 
 @torch.no_grad()
-def _rollouts(target, prompts, cfg: DrafterTrainConfig, gen) -> list[tuple[list[int], int]]:
+def _rollouts(target, prompts, new_tokens: int, eos_token_id, temperature: float, gen) -> list[tuple[list[int], int]]:
     from impl.spec.ar import ar_decode
 
     out = []
     for ids in prompts:
-        r = ar_decode(target, list(ids), cfg.rollout_new_tokens, eos_token_id=cfg.eos_token_id,
-                      temperature=cfg.rollout_temperature, generator=gen)
+        r = ar_decode(target, list(ids), new_tokens, eos_token_id=eos_token_id, temperature=temperature,
+                      generator=gen)
         out.append((list(ids) + r.tokens, len(ids)))
     return out
+
+
+@dataclass
+class RolloutData:
+    """Target rollouts with their target features and a train / held-out split, computed once and
+    shared by :func:`train_drafter` and :func:`impl.tev.train.train_exittrain` (so that every training
+    objective sees the same data).
+
+    Attributes:
+        sequences: ``(token ids, prompt length)`` per rollout (prompt followed by the response).
+        features: float ``[len, F]`` target features of each sequence at ``feature_layers``.
+        feature_layers: the 1-based target depths of ``features``.
+        train_idx, heldout_idx: indices into ``sequences`` (held out = the last ones).
+        seconds: wall-clock ``{"rollouts", "features"}``.
+    """
+
+    sequences: list[tuple[list[int], int]]
+    features: list[torch.Tensor]
+    feature_layers: tuple[int, ...]
+    train_idx: list[int]
+    heldout_idx: list[int]
+    seconds: dict = field(default_factory=dict)
+
+    @property
+    def rollout_tokens(self) -> int:
+        """Total response tokens over all rollouts."""
+        return sum(len(s) - p for s, p in self.sequences)
+
+
+def make_rollouts(target, prompts_token_ids: Sequence[Sequence[int]], feature_layers: Sequence[int], *,
+                  new_tokens: int = 64, temperature: float = 0.0, eos_token_id: int | None = None,
+                  heldout_fraction: float = 0.1, seed: int = 0,
+                  generator: torch.Generator | None = None) -> RolloutData:
+    """Roll the frozen target out on every prompt (TEV App. D online rollouts) and compute its
+    features once.
+
+    Args:
+        target: causal LM (put in eval mode for the call, restored after).
+        prompts_token_ids: at least 2 prompt id lists, inside the vocabulary and context.
+        feature_layers: 1-based target depths (a drafter's ``feature_layers``).
+        new_tokens: response tokens per prompt (>= 1; fewer when EOS stops a rollout).
+        temperature: 0 greedy, > 0 sampled at this temperature.
+        eos_token_id: rollouts stop after this id (None: never early).
+        heldout_fraction: the last ``ceil(fraction * n)`` rollouts are held out (at least one, and
+            at least one kept for training).
+        seed: seeds ``generator`` when it is None.
+        generator: CPU generator for sampled rollouts (advanced in place).
+
+    Returns:
+        :class:`RolloutData`.
+
+    Raises:
+        ValueError: fewer than 2 prompts, bad prompt ids, ``new_tokens < 1``.
+    """
+    from impl.spec.ar import check_prompt_ids
+
+    prompts = [list(map(int, p)) for p in prompts_token_ids]
+    if len(prompts) < 2:
+        raise ValueError(f"need at least 2 prompts (train + held out), got {len(prompts)}")
+    for p in prompts:
+        check_prompt_ids(target, p)
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+    gen = generator if generator is not None else torch.Generator().manual_seed(seed)
+    was_training = target.training
+    target.eval()
+    try:
+        t0 = time.perf_counter()
+        seqs = _rollouts(target, prompts, new_tokens, eos_token_id, temperature, gen)
+        t_roll = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        feats = [target_features(target, s, feature_layers) for s, _ in seqs]
+        t_feat = time.perf_counter() - t0
+    finally:
+        target.train(was_training)
+    n_held = min(len(seqs) - 1, max(1, math.ceil(heldout_fraction * len(seqs))))
+    return RolloutData(seqs, feats, tuple(int(d) for d in feature_layers), list(range(len(seqs) - n_held)),
+                       list(range(len(seqs) - n_held, len(seqs))), {"rollouts": t_roll, "features": t_feat})
 
 
 def _pad_batch(items, feats, device):
@@ -725,8 +804,9 @@ def evaluate_drafter(drafter: BlockDrafter, sequences: list[tuple[list[int], int
             "chain_tau": sum(taus) / max(len(taus), 1)}
 
 
-def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]], cfg: DrafterTrainConfig = DrafterTrainConfig(),
-                  drafter: BlockDrafter | None = None) -> tuple[BlockDrafter, dict]:
+def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
+                  cfg: DrafterTrainConfig = DrafterTrainConfig(), drafter: BlockDrafter | None = None,
+                  data: RolloutData | None = None) -> tuple[BlockDrafter, dict]:
     """Train a block drafter on the frozen target's own rollouts with the dense position-decayed
     token loss (TEV Eq. 15 with lambda_exit = 0; DFlash loss; App. D online rollouts).
 
@@ -742,6 +822,10 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]], cfg: Draft
             together with ``rollout_new_tokens``), e.g. from :func:`sharegpt_prompt_ids`.
         cfg: :class:`DrafterTrainConfig`.
         drafter: continue training this drafter instead of a new ``BlockDrafter(target, cfg.drafter)``.
+        data: precomputed :class:`RolloutData` (from :func:`make_rollouts`, with the drafter's
+            feature layers); then ``prompts_token_ids`` may be None and the ``rollout_*``,
+            ``eos_token_id`` and ``heldout_fraction`` settings are not used. Without it the rollouts
+            are made here with ``cfg`` (as before; the same generator then draws the batches).
 
     Returns:
         ``(drafter, summary)`` with the drafter in eval mode and summary ``{"losses": per-step
@@ -750,16 +834,10 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]], cfg: Draft
         "rollout_tokens", "config"}`` (seconds are wall-clock).
 
     Raises:
-        ValueError: fewer than 2 prompts, bad prompt ids, or non-positive steps/batch sizes.
+        ValueError: fewer than 2 prompts, bad prompt ids, or non-positive steps/batch sizes; ``data``
+            whose feature layers differ from the drafter's.
     """
-    from impl.spec.ar import check_prompt_ids
-
     t_all = time.perf_counter()
-    prompts = [list(map(int, p)) for p in prompts_token_ids]
-    if len(prompts) < 2:
-        raise ValueError(f"need at least 2 prompts (train + held out), got {len(prompts)}")
-    for p in prompts:
-        check_prompt_ids(target, p)
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.anchors_per_seq < 1 or cfg.rollout_new_tokens < 1:
         raise ValueError("steps, batch_size, anchors_per_seq and rollout_new_tokens must be >= 1")
     if drafter is None:
@@ -771,15 +849,19 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]], cfg: Draft
     was_training = target.training
     target.eval()
 
-    t0 = time.perf_counter()
-    seqs = _rollouts(target, prompts, cfg, gen)
-    t_roll = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    feats = [target_features(target, s, drafter.feature_layers) for s, _ in seqs]
-    t_feat = time.perf_counter() - t0
-    n_held = min(len(seqs) - 1, max(1, math.ceil(cfg.heldout_fraction * len(seqs))))
-    train_idx = list(range(len(seqs) - n_held))
-    held = list(range(len(seqs) - n_held, len(seqs)))
+    if data is None:
+        if prompts_token_ids is None:
+            raise ValueError("pass prompts_token_ids or precomputed rollout data")
+        data = make_rollouts(target, prompts_token_ids, drafter.feature_layers, new_tokens=cfg.rollout_new_tokens,
+                             temperature=cfg.rollout_temperature, eos_token_id=cfg.eos_token_id,
+                             heldout_fraction=cfg.heldout_fraction, generator=gen)
+    elif tuple(data.feature_layers) != tuple(drafter.feature_layers):
+        raise ValueError(f"rollout features are for layers {list(data.feature_layers)}, the drafter reads "
+                         f"{drafter.feature_layers}")
+    seqs, feats = data.sequences, data.features
+    t_roll, t_feat = data.seconds.get("rollouts", 0.0), data.seconds.get("features", 0.0)
+    train_idx, held = list(data.train_idx), list(data.heldout_idx)
+    n_held = len(held)
     log.info("drafter: %d rollouts (%d tokens) in %.1fs, features in %.1fs; %d train / %d held out",
              len(seqs), sum(len(s) - p for s, p in seqs), t_roll, t_feat, len(train_idx), n_held)
 
@@ -837,7 +919,7 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]], cfg: Draft
         "heldout_after": after,
         "n_train": len(train_idx),
         "n_heldout": n_held,
-        "rollout_tokens": sum(len(s) - p for s, p in seqs),
+        "rollout_tokens": data.rollout_tokens,
         "config": {**asdict(cfg), "drafter": {**asdict(drafter.config),
                                               "feature_layers": list(drafter.config.feature_layers)}},
     }

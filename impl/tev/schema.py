@@ -52,7 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "budgets": [32, 64, 128], "depth": 8,
     "drafter": {"block_size": 8, "n_layers": 2, "prompts": 200, "prompt_max_tokens": 96, "rollout_new_tokens": 64,
                 "rollout_temperature": 0.0, "steps": 300, "batch_size": 8, "lr": 2e-3, "gamma": 4.0, "threads": 1},
-    "exittrain": {"steps": 100, "batch_size": 4, "tree_contexts_per_seq": 2, "budget": 64, "lambda_exit": 1.0,
+    "exittrain": {"steps": 100, "batch_size": 4, "tree_contexts_per_seq": 2, "budget": 64, "lambda_exit": 64.0,
                   "target_temperature": 1.0, "lr": 3e-4, "objectives": ["token", "prefix", "exit"]},
     "latency": {"budgets": [32, 64, 128], "trees": 30, "temperature": 1.0, "repeats": 3},
 }

@@ -115,9 +115,18 @@ def cmd_tev_latency(args) -> None:
     target = _load(cfg, args.model_dir)
     drafter = BlockDrafter.load(Path(args.drafters) / "base", target)
     prompts = [p["input_ids"] for p in read_jsonl(args.prompts) if p.get("input_ids")][: t["n_prompts"]]
+    from functools import partial
+
+    from .verify import predraw_follow, sequential_residual, tev
+
+    # predraw twice: with the exact inverse-CDF sampler every verifier here uses, and as DDTree's code
+    # draws (one torch.multinomial over all [N, V] rows); TEV's ratio is reported against both
+    verifiers = {"predraw_follow": predraw_follow,
+                 "predraw_ddtree_multinomial": partial(predraw_follow, sampler="multinomial"),
+                 "sequential_residual": sequential_residual, "tev": tev}
     rows = verifier_latency(target, drafter, prompts, budgets=tuple(lat["budgets"]), depth=t["depth"],
                             temperature=lat["temperature"], n_trees=lat["trees"], repeats=lat["repeats"],
-                            seed=cfg["seed"])
+                            seed=cfg["seed"], verifiers=verifiers)
     prov = provenance(cfg, seed=cfg["seed"])
     write_jsonl(args.out, [{**r, "model": args.model, **prov} for r in rows])
 

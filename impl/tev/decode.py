@@ -183,6 +183,13 @@ def commit_cache(cache, prefix_len: int, n_tree: int, path: Sequence[int]) -> No
     """Keep the cached prefix and the KV rows of the accepted ``path`` (tree node ids, root first),
     dropping the other tree rows, in every layer of a ``DynamicCache``.
 
+    Only the tree window is touched (DDTree's compaction): the rows of the path that are not already
+    in place (from its first non-contiguous node on) are gathered and written right after the
+    in-place prefix of the path, then the cache is cropped to ``prefix_len + len(path)``. A path that
+    is contiguous from the root needs only the crop. The cached prefix is never copied; the layer
+    tensors are written in place (another reference to them, e.g. a shallow copy of the cache, sees
+    the compaction: copy a cache with ``copy.deepcopy`` before committing on it).
+
     Args:
         cache: transformers ``DynamicCache`` holding ``prefix_len + n_tree`` positions.
         prefix_len: cached committed positions before the tree rows.
@@ -198,16 +205,29 @@ def commit_cache(cache, prefix_len: int, n_tree: int, path: Sequence[int]) -> No
         raise ValueError(f"path must be increasing node ids from the root 0 within {n_tree} nodes, got {path}")
     if cache.get_seq_length() != prefix_len + n_tree:
         raise ValueError(f"cache holds {cache.get_seq_length()} positions, expected {prefix_len + n_tree}")
-    if path == list(range(len(path))):  # contiguous from the root: a crop is enough
-        if n_tree > len(path):
-            cache.crop(-(n_tree - len(path)))
-        return
-    for layer in cache.layers:
-        if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
-            raise NotImplementedError(f"cannot gather rows of a {type(layer).__name__} cache layer")
-        keep = torch.tensor(list(range(prefix_len)) + [prefix_len + u for u in path], device=layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, keep)
-        layer.values = layer.values.index_select(-2, keep)
+    k = len(path)
+    j = next((i for i, u in enumerate(path) if u != i), k)  # path[:j] == 0..j-1 is already in place
+    layers = cache.layers
+    if j < k:
+        for layer in layers:
+            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
+                raise NotImplementedError(f"cannot gather rows of a {type(layer).__name__} cache layer")
+        src = None
+        for layer in layers:
+            if src is None or src.device != layer.keys.device:
+                src = torch.tensor(path[j:], dtype=torch.long, device=layer.keys.device) + prefix_len
+            for t in (layer.keys, layer.values):
+                t.narrow(-2, prefix_len + j, k - j).copy_(t.index_select(-2, src))
+    if n_tree > k:
+        from transformers.cache_utils import DynamicLayer
+
+        if all(type(layer) is DynamicLayer for layer in layers):  # crop by narrowing in place
+            keep = prefix_len + k
+            for layer in layers:
+                layer.keys = layer.keys.narrow(-2, 0, keep)
+                layer.values = layer.values.narrow(-2, 0, keep)
+        else:
+            cache.crop(-(n_tree - k))
 
 
 @torch.no_grad()
@@ -339,7 +359,8 @@ def tev_decode(
         times["target"] = time.perf_counter() - t0
         # 4. verify
         t0 = time.perf_counter()
-        path, bonus = verify(tree.parents, tree.tokens, probs, generator)
+        # the tree was validated when built (DraftTree) and the rows are a softmax / one-hot: no re-checks
+        path, bonus = verify(tree.parents, tree.tokens, probs, generator, validate=False)
         times["verify"] = time.perf_counter() - t0
         # 5. commit
         _sync(device)

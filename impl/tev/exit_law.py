@@ -12,8 +12,10 @@ Given the target next-token distribution p_v at every node v of a fixed tree (on
 C_p(T) is the expected number of accepted *draft* tokens D of any saturated verifier; the expected
 output-block length, which counts the bonus token (the project's tau), is 1 + C_p(T) (Eq. 9, 11).
 
-All arithmetic is float64. Rows of ``probs`` are renormalised in float64 before use, so that every
-verifier in :mod:`impl.tev.verify` realises exactly the same law from the same (float32) input.
+All arithmetic is float64. :func:`exit_law` (the reference) renormalises the rows of ``probs`` in
+float64 before use. The verifiers in :mod:`impl.tev.verify` use :func:`law_from_gathered`, which
+reads only the N - 1 edge probabilities (plus, when validating, the row sums) and agrees with the
+reference to the precision of float32 rows (~1e-7 relative), exact zeros included.
 """
 
 from __future__ import annotations
@@ -95,6 +97,80 @@ def _law(par: list[int], tok: list[int], depths: list[int], p: torch.Tensor):
     for nodes in depth_levels(depths)[1:]:
         nodes = nodes.to(dev)
         P[nodes] = P[pt[nodes]] * q[nodes]
+    return P, rho, P * rho
+
+
+#: rho values below this are recomputed exactly from the float64 row in :func:`law_from_gathered`
+RHO_RECHECK = 1e-4
+
+
+def law_from_gathered(
+    par_t: torch.Tensor, tok_t: torch.Tensor, probs: torch.Tensor, row_sums: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(P, rho, w) from the N - 1 gathered edge probabilities only (fast path of :func:`exit_law`).
+
+    The level-parallel law of Algorithm 1 (lines 3-7) without a pass over the ``[N, V]`` matrix:
+    q(u) = p_{pa(u)}(x_u) is one gather of N - 1 entries; rho is one ``index_add``; P(v), the
+    product of q along v's root path, is computed by pointer doubling (after k rounds every node
+    holds the product of q over its 2^k nearest path nodes and a pointer to its 2^k-th ancestor, the
+    root being a fixed point with q = 1), i.e. max(3, ceil(log2(max depth))) rounds of two gathers
+    and a product, with no per-node or per-level Python loop and no depth computation. All products
+    are float64.
+
+    Normalisation: with ``row_sums`` (e.g. from a validation pass) every q is divided by its
+    parent's row sum, as :func:`check_target_probs` renormalises; without it the rows are taken to
+    sum to 1 (true of a float32 softmax to ~1e-7, the precision of the rows themselves). Either
+    way, where the computed rho(v) is below :data:`RHO_RECHECK` it is recomputed exactly from v's
+    float64 row (mass outside v's drafted children over the row total), so rho(v) is exactly 0 iff
+    p_v has no mass outside its children, as in :func:`exit_law`.
+
+    No validation: the caller guarantees a valid tree (``0 <= parents[v] < v``, distinct sibling
+    tokens, in-vocabulary tokens) and non-negative rows with positive sums.
+
+    Args:
+        par_t: int64 ``[N]`` parents (``par_t[0] == -1``) on ``probs.device``.
+        tok_t: int64 ``[N]`` incoming tokens on ``probs.device`` (the root's entry, a token id or -1,
+            is not used).
+        probs: floating ``[N, V]`` target rows p_v.
+        row_sums: optional ``[N]`` row sums of ``probs``.
+
+    Returns:
+        ``(P, rho, w)`` float64 ``[N]``, as :func:`exit_law` (agreeing to ~1e-7 relative for
+        float32 rows).
+    """
+    n = probs.shape[0]
+    dev = probs.device
+    f64 = torch.float64
+    if n == 1:
+        one = torch.ones(1, dtype=f64, device=dev)
+        return one, one.clone(), one.clone()
+    anc = par_t.clamp_min(0)  # the root points to itself (a fixed point of the doubling below)
+    q = probs[anc, tok_t].to(f64)  # q[u] = p_{pa(u)}(x_u); the root's entry is overwritten
+    if row_sums is not None:
+        q /= row_sums.to(f64)[anc]
+    pa = anc[1:]
+    rho = torch.ones(n, dtype=f64, device=dev).index_add_(0, pa, q[1:], alpha=-1.0)  # <= 1 as q >= 0
+    q[0] = 1.0
+    if float(rho.min()) < RHO_RECHECK:  # rare: recompute those rows exactly (exact zeros, no rounding below 0)
+        has_child = torch.zeros(n, dtype=torch.bool, device=dev)
+        has_child[pa] = True
+        cand = torch.nonzero(has_child & (rho < RHO_RECHECK)).flatten()
+        if cand.numel():
+            slot = torch.full((n,), -1, dtype=torch.long, device=dev)
+            slot[cand] = torch.arange(cand.numel(), device=dev)
+            rows = probs[cand].to(f64)
+            total = rows.sum(-1)
+            e = torch.nonzero(slot[pa] >= 0).flatten() + 1  # edges (child ids) under a candidate
+            rows[slot[anc[e]], tok_t[e]] = 0.0
+            rho[cand] = rows.sum(-1) / total
+    # P by pointer doubling over the root paths (three unconditional rounds cover depth <= 8)
+    P = q
+    for _ in range(3):
+        P = P * P[anc]
+        anc = anc[anc]
+    while bool(anc.any()):
+        P = P * P[anc]
+        anc = anc[anc]
     return P, rho, P * rho
 
 

@@ -16,23 +16,48 @@ All three are exact and saturated (Corollaries 1 and 2): (V, Y) has law w(v) p_v
 committed block is distributed as target sampling token by token, and E[L] = 1 + C_p(T). With
 one-hot rows (T = 0) each returns the argmax-follow path of :func:`greedy_follow`, whatever the
 generator's state.
+
+Hot-path options (keywords, same law): ``validate=False`` skips the tree and row checks for trees
+validated when they were built (:class:`impl.tev.tree.DraftTree`) and rows valid by construction (a
+softmax), as :func:`impl.tev.decode.tev_decode` does; ``sampler`` picks the categorical primitive,
+``"cdf"`` (default: an exact float64 inverse CDF, one uniform per draw; batched over rows by
+:func:`inverse_cdf_rows`) or ``"multinomial"`` (``torch.multinomial``, the exponential race that
+DDTree's ``sample`` calls, one exponential variate per entry). No verifier copies ``probs`` to
+float64: only the rows a verifier actually samples from (predraw: all, batched; sequential: the
+visited ones; TEV: the exit node's) and the gathered edge probabilities are converted. The verifiers
+run under ``torch.inference_mode`` (they return Python ints only).
 """
 
 from __future__ import annotations
 
+import array
+import bisect
+import itertools
 from typing import Callable
 
 import torch
 
-from .exit_law import PROB_ATOL, _law, check_target_probs
+from .exit_law import PROB_ATOL, check_target_probs, law_from_gathered
 from .tree import IntSeq, path_to, validate_tree
 
 Verifier = Callable[..., tuple[list[int], int]]
+
+#: sampling primitives: ``"cdf"`` (exact float64 inverse CDF, one uniform per draw; default) or
+#: ``"multinomial"`` (``torch.multinomial``, the exponential race DDTree's ``sample`` calls)
+SAMPLERS = ("cdf", "multinomial")
+#: predraw modes: ``"all"`` (DDTree: one token pre-drawn at every node, one batched draw) or
+#: ``"visited"`` (a token drawn only at the nodes the walk reaches; same law, fewer draws)
+PREDRAW_MODES = ("all", "visited")
 
 
 def _check_generator(generator) -> None:
     if not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _child_index(par: list[int], tok: list[int]) -> list[dict[int, int]]:
@@ -43,44 +68,198 @@ def _child_index(par: list[int], tok: list[int]) -> list[dict[int, int]]:
     return kids
 
 
-def _draw(dist: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(dist, 1, generator=generator))
+def _lists(parents: IntSeq, tokens: IntSeq) -> tuple[list[int], list[int]]:
+    """Plain int lists of an already validated tree (no checks)."""
+    par = parents.tolist() if isinstance(parents, torch.Tensor) else parents
+    tok = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+    return par, tok
 
 
+def _tree_tensors(parents: IntSeq, tokens: IntSeq, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[N]`` parents and tokens on ``device`` (lists go through one C-level buffer copy,
+    several times cheaper than ``torch.tensor`` on a list)."""
+    if isinstance(parents, torch.Tensor) and isinstance(tokens, torch.Tensor):
+        return parents.to(device, torch.long), tokens.to(device, torch.long)
+    par, tok = _lists(parents, tokens)
+    both = torch.frombuffer(array.array("q", list(par) + list(tok)), dtype=torch.int64).view(2, -1)
+    if device.type != "cpu":
+        both = both.to(device)
+    return both[0], both[1]
+
+
+def _checked(parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, atol: float):
+    """Validate the tree and the rows cheaply (no float64 copy of ``probs``).
+
+    Returns ``(parents, tokens, row_sums)``: two ``list[int]`` and the ``[N]`` row sums. Any failure
+    is re-diagnosed by :func:`impl.tev.exit_law.check_target_probs`, which raises the precise error.
+    """
+    par, tok, _ = validate_tree(parents, tokens)
+    ok = (isinstance(probs, torch.Tensor) and probs.dtype.is_floating_point and probs.dim() == 2
+          and probs.shape[0] == len(par) and probs.shape[1] >= 1 and max(tok[1:], default=0) < probs.shape[1])
+    if ok:
+        s = probs.detach().sum(-1)
+        # a non-finite entry makes its row sum non-finite (or the minimum negative): one pass each
+        ok = bool(torch.isfinite(s).all()) and float(probs.min()) >= 0 and float((s - 1).abs().max()) <= atol
+        if ok:
+            return par, tok, s
+    check_target_probs(par, tok, probs, atol)  # raises the specific error
+    raise ValueError("probs failed validation (non-finite row sum)")  # pragma: no cover - overflow only
+
+
+# --- sampling primitives -------------------------------------------------------------------------
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> int:
+    """Index i with C(i-1) <= u C(V-1) < C(i), C the float64 cumulative sum of the 1-D non-negative
+    ``weights`` (positive total), for a float64 uniform ``u`` of shape [1]; a zero-weight index is
+    never returned."""
+    c = weights.cumsum(0, dtype=torch.float64)
+    i = int(torch.searchsorted(c, u * c[-1:], right=True))
+    if i >= c.numel():  # u * total rounded up to the total, or a zero / non-finite total
+        total = float(c[-1])
+        if not 0 < total < float("inf"):
+            raise ValueError(f"cannot sample from weights with total {total}")
+        i = int(torch.nonzero(weights > 0).flatten()[-1])
+    return i
+
+
+#: below this many weights the inverse CDF runs on Python floats (fewer tensor dispatches)
+_SMALL = 512
+
+
+def _categorical(weights: torch.Tensor, generator: torch.Generator, sampler: str = "cdf") -> int:
+    """One draw from the categorical law proportional to the 1-D non-negative ``weights``
+    (``"cdf"``: one float64 uniform, exact inverse CDF; ``"multinomial"``: ``torch.multinomial``)."""
+    if sampler == "multinomial":
+        return int(torch.multinomial(weights, 1, generator=generator))
+    u = torch.rand(1, dtype=torch.float64, generator=generator, device=weights.device)
+    if weights.numel() > _SMALL:
+        return _inverse_cdf(weights, u)
+    w = weights.tolist()
+    c = list(itertools.accumulate(w))  # the same sequential float64 sums as cumsum
+    total = c[-1]
+    i = bisect.bisect_right(c, float(u) * total)
+    if i >= len(c):  # u * total rounded up to the total, or a zero / non-finite total
+        if not 0 < total < float("inf"):
+            raise ValueError(f"cannot sample from weights with total {total}")
+        i = max(k for k, x in enumerate(w) if x > 0)
+    return i
+
+
+def _block(v_size: int) -> int:
+    b = 1
+    while b * b < v_size:
+        b *= 2
+    return b
+
+
+def inverse_cdf_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One inverse-CDF draw per row of ``probs`` for given uniforms: a two-level (block, then
+    within-block) search that reads the ``[N, V]`` matrix once.
+
+    Row r returns the index i with C_r(i-1) <= u_r C_r(V-1) < C_r(i), C_r the cumulative sum of row r:
+    block sums of ~sqrt(V) entries (accumulated in the dtype of ``probs``) locate the block through
+    a float64 cumulative sum, then a float64 cumulative sum inside that block locates the token. A
+    row where rounding between the two levels would land on a zero-probability index (at a block
+    edge; probability ~1e-7 per row) is redrawn with the same uniform by the exact one-level float64
+    search, so a zero-probability token is never returned.
+
+    Args:
+        probs: floating ``[N, V]``, non-negative rows with positive sums (not necessarily normalised).
+        u: float64 ``[N]`` uniforms in [0, 1).
+
+    Returns:
+        int64 ``[N]`` token ids.
+    """
+    n, v_size = probs.shape
+    blk = _block(v_size)
+    nb = -(-v_size // blk)
+    x = probs if nb * blk == v_size else torch.nn.functional.pad(probs, (0, nb * blk - v_size))
+    xb = x.reshape(n, nb, blk)
+    bsum = xb.sum(-1).to(torch.float64)  # [N, nb] block masses
+    cb = bsum.cumsum(-1)
+    t = (u * cb[:, -1]).unsqueeze(1)  # [N, 1] target mass
+    b = torch.searchsorted(cb, t, right=True).clamp_max_(nb - 1)  # [N, 1] block
+    rows = xb.gather(1, b.unsqueeze(2).expand(n, 1, blk)).squeeze(1)  # [N, blk]
+    j = torch.searchsorted(rows.cumsum(-1, dtype=torch.float64), t - (cb - bsum).gather(1, b),
+                           right=True).clamp_max_(blk - 1)
+    idx = (b * blk + j).squeeze(1)
+    bad = rows.gather(1, j) <= 0
+    if bool(bad.any()):  # rounding at a block edge: exact one-level search with the same uniform
+        for r in torch.nonzero(bad.squeeze(1)).flatten().tolist():
+            idx[r] = _inverse_cdf(probs[r], u[r:r + 1])
+    return idx
+
+
+def _categorical_rows(probs: torch.Tensor, generator: torch.Generator, sampler: str = "cdf") -> list[int]:
+    """One independent draw per row of ``probs`` ``[N, V]`` in one batched operation."""
+    if sampler == "multinomial":
+        return torch.multinomial(probs, 1, generator=generator).flatten().tolist()
+    u = torch.rand(probs.shape[0], dtype=torch.float64, generator=generator, device=probs.device)
+    return inverse_cdf_rows(probs, u).tolist()
+
+
+# --- verifiers -----------------------------------------------------------------------------------
+
+@torch.inference_mode()
 def predraw_follow(
-    parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL
+    parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL,
+    *, validate: bool = True, sampler: str = "cdf", draws: str = "all",
 ) -> tuple[list[int], int]:
     """DDTree's predraw-and-follow verifier (TEV Sec. 2; App. A.4.1, Eqs. 42-44).
 
     One target token R_v ~ p_v is pre-drawn independently at every node (one batched draw over the
-    N rows). Starting at the root, the verifier moves to the child u with x_u = R_v while one
-    exists; at the first node v without such a child it stops, and R_v is the bonus token.
+    N rows, as DDTree samples every tree row of the target forward before following). Starting at
+    the root, the verifier moves to the child u with x_u = R_v while one exists; at the first node v
+    without such a child it stops, and R_v is the bonus token. The child lookup is a dict keyed by
+    (parent, token), built in one C-level pass (DDTree's builder returns the same child maps).
 
     Args:
         parents: N parent indices; tokens: N incoming tokens (see module docstring).
-        probs: floating ``[N, V]`` target distributions p_v.
+        probs: floating ``[N, V]`` target distributions p_v (each row's law is the row over its sum).
         generator: ``torch.Generator`` on ``probs.device``.
         atol: row-sum tolerance of ``probs``.
+        validate: check the tree and rows (default). Pass False only for a tree validated at build
+            time (:class:`impl.tev.tree.DraftTree`) and rows that are valid by construction (softmax).
+        sampler: ``"cdf"`` (one uniform per node, exact float64 inverse CDF through
+            :func:`inverse_cdf_rows`) or ``"multinomial"`` (``torch.multinomial`` over the ``[N, V]``
+            rows, the exponential race DDTree's ``sample`` uses; on CPU it costs one exponential
+            variate per entry).
+        draws: ``"all"`` (DDTree) or ``"visited"`` (draw R_v only at the nodes the walk reaches: the
+            same law, since the other draws are never read).
 
     Returns:
         ``(path, bonus)``: accepted node ids root..V (``list[int]``) and the bonus token id (int).
 
     Raises:
-        ValueError: invalid tree or ``probs`` (see :func:`impl.tev.exit_law.check_target_probs`), or a
-            ``generator`` that is not a ``torch.Generator``.
+        ValueError: invalid tree or ``probs`` (see :func:`impl.tev.exit_law.check_target_probs`), a
+            ``generator`` that is not a ``torch.Generator``, or an unknown ``sampler`` / ``draws``.
     """
     _check_generator(generator)
-    par, tok, _, p = check_target_probs(parents, tokens, probs, atol)
-    drawn = torch.multinomial(p, 1, generator=generator).flatten().tolist()  # R_v for every v
-    kids = _child_index(par, tok)
+    _check_choice("sampler", sampler, SAMPLERS)
+    _check_choice("draws", draws, PREDRAW_MODES)
+    if validate:
+        par, tok, _ = _checked(parents, tokens, probs, atol)
+    else:
+        par, tok = _lists(parents, tokens)
+    kids = dict(zip(zip(par[1:], tok[1:]), range(1, len(par))))
     path = [0]
-    while drawn[path[-1]] in kids[path[-1]]:
-        path.append(kids[path[-1]][drawn[path[-1]]])
-    return path, drawn[path[-1]]
+    if draws == "all":
+        drawn = _categorical_rows(probs, generator, sampler)  # R_v for every v
+        while (path[-1], drawn[path[-1]]) in kids:
+            path.append(kids[(path[-1], drawn[path[-1]])])
+        return path, drawn[path[-1]]
+    while True:
+        r = _categorical(probs[path[-1]], generator, sampler)
+        u = kids.get((path[-1], r))
+        if u is None:
+            return path, r
+        path.append(u)
 
 
+@torch.inference_mode()
 def sequential_residual(
-    parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL
+    parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL,
+    *, validate: bool = True, sampler: str = "cdf",
 ) -> tuple[list[int], int]:
     """EAGLE-style exact sequential residual verification (TEV Sec. 2; App. A.4.2, Eqs. 45-53).
 
@@ -91,74 +270,103 @@ def sequential_residual(
     new current node; if all children are rejected (or v is a leaf) the bonus token is drawn from
     the final residual g^(k) = p_v^res (Eq. 53).
 
+    The residual is kept unnormalised in float64 (only the visited rows are converted) with its
+    mass tracked alongside, so a test costs O(1) instead of a pass over the vocabulary; the mass is
+    re-summed exactly when it falls below 1e-6 of the row, so a child carrying all the remaining
+    mass is accepted with probability exactly 1.
+
     Args:
         parents: N parent indices; tokens: N incoming tokens (see module docstring).
         probs: floating ``[N, V]`` target distributions p_v.
         generator: ``torch.Generator`` on ``probs.device`` (one uniform per child test, one
             categorical draw for the bonus).
         atol: row-sum tolerance of ``probs``.
+        validate: as :func:`predraw_follow`.
+        sampler: primitive of the bonus draw, as :func:`predraw_follow`.
 
     Returns:
         ``(path, bonus)``: accepted node ids root..V (``list[int]``) and the bonus token id (int).
 
     Raises:
-        ValueError: invalid tree, ``probs`` or ``generator`` (as :func:`predraw_follow`).
+        ValueError: invalid tree, ``probs``, ``generator`` or ``sampler`` (as :func:`predraw_follow`).
     """
     _check_generator(generator)
-    par, tok, _, p = check_target_probs(parents, tokens, probs, atol)
-    kids = _child_index(par, tok)
+    _check_choice("sampler", sampler, SAMPLERS)
+    if validate:
+        par, tok, _ = _checked(parents, tokens, probs, atol)
+    else:
+        par, tok = _lists(parents, tokens)
+    kids: dict[int, list[int]] = {}
+    for u in range(1, len(par)):
+        kids.setdefault(par[u], []).append(u)
     path = [0]
     while True:
         v = path[-1]
-        g = p[v].clone()
+        g = probs[v].to(torch.float64, copy=True)
+        row_mass = mass = float(g.sum())
         accepted = None
-        for x, u in kids[v].items():
-            a = float(g[x])  # g^(j-1)(x_j), already normalised
-            r = float(torch.rand((), dtype=torch.float64, generator=generator, device=p.device))
-            if r < a:
+        for u in kids.get(v, ()):
+            x = tok[u]
+            gx = float(g[x])
+            r = float(torch.rand((), dtype=torch.float64, generator=generator, device=g.device))
+            if r * mass < gx:  # accept with probability g(x) / mass
                 accepted = u
                 break
             g[x] = 0.0
-            s = g.sum()
-            if not s > 0:  # unreachable: a rejection has probability 1 - a > 0 only if mass remains
+            mass -= gx
+            if mass < 1e-6 * row_mass:
+                mass = float(g.sum())
+            if not mass > 0:  # unreachable: a rejection has probability 1 - a > 0 only if mass remains
                 raise RuntimeError(f"node {v}: empty residual after rejecting token {x}")
-            g /= s
         if accepted is None:
-            return path, _draw(g, generator)
+            return path, _categorical(g, generator, sampler)
         path.append(accepted)
 
 
+@torch.inference_mode()
 def tev(
-    parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL
+    parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL,
+    *, validate: bool = True, sampler: str = "cdf",
 ) -> tuple[list[int], int]:
     """Tree Exit Verification (TEV Sec. 4; App. B, Algorithm 1; exactness in Corollary 2).
 
-    Computes the canonical exit law w level-parallel (Algorithm 1, lines 3-7), draws the exit node
-    V ~ Categorical(w) (line 8) and one bonus token Y ~ p_V^res, i.e. p_V with V's drafted child
-    tokens removed and renormalised (p_V itself at a leaf; line 9). The accepted path is the root
-    path of V.
+    Computes the canonical exit law w level-parallel (Algorithm 1, lines 3-7) from the N - 1
+    gathered edge probabilities (:func:`impl.tev.exit_law.law_from_gathered`: one gather, one
+    ``index_add`` for rho, pointer doubling for P; no per-node Python loop and no float64 copy of
+    ``probs``), draws the exit node V ~ Categorical(w) (line 8) and one bonus token Y ~ p_V^res,
+    i.e. p_V with V's drafted child tokens removed (p_V itself at a leaf; line 9), converting only
+    row V. The accepted path is the root path of V.
 
     Args:
-        parents: N parent indices; tokens: N incoming tokens (see module docstring).
+        parents: N parent indices; tokens: N incoming tokens (see module docstring); lists or 1-D
+            int64 tensors (tensors on ``probs.device`` avoid a conversion).
         probs: floating ``[N, V]`` target distributions p_v.
         generator: ``torch.Generator`` on ``probs.device`` (exactly two categorical draws).
         atol: row-sum tolerance of ``probs``.
+        validate: as :func:`predraw_follow`; with False the rows are also taken to be normalised (a
+            float32 softmax is, to ~1e-7) and are not re-summed (see
+            :func:`impl.tev.exit_law.law_from_gathered`); with True they are renormalised by the row
+            sums of the validation pass.
+        sampler: primitive of the two draws, as :func:`predraw_follow`.
 
     Returns:
         ``(path, bonus)``: accepted node ids root..V (``list[int]``) and the bonus token id (int).
 
     Raises:
-        ValueError: invalid tree, ``probs`` or ``generator`` (as :func:`predraw_follow`).
+        ValueError: invalid tree, ``probs``, ``generator`` or ``sampler`` (as :func:`predraw_follow`).
     """
     _check_generator(generator)
-    par, tok, depths, p = check_target_probs(parents, tokens, probs, atol)
-    _, _, w = _law(par, tok, depths, p)
-    exit_node = _draw(w, generator)
-    res = p[exit_node].clone()
-    child_tokens = [tok[u] for u in range(1, len(par)) if par[u] == exit_node]
-    if child_tokens:
-        res[torch.tensor(child_tokens, dtype=torch.long, device=p.device)] = 0.0
-    return path_to(par, exit_node), _draw(res, generator)
+    _check_choice("sampler", sampler, SAMPLERS)
+    dev = probs.device
+    row_sums = None
+    if validate:
+        parents, tokens, row_sums = _checked(parents, tokens, probs, atol)
+    par_t, tok_t = _tree_tensors(parents, tokens, dev)
+    _, _, w = law_from_gathered(par_t, tok_t, probs, row_sums)
+    exit_node = _categorical(w, generator, sampler)
+    res = probs[exit_node].to(torch.float64, copy=True)
+    res[tok_t[par_t == exit_node]] = 0.0  # A(V): the drafted child tokens (the root's parent is -1)
+    return path_to(parents, exit_node), _categorical(res, generator, sampler)
 
 
 def greedy_follow(parents: IntSeq, tokens: IntSeq, argmax_ids: IntSeq) -> tuple[list[int], int]:

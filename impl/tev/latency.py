@@ -1,0 +1,362 @@
+"""Verifier-stage latency on realized draft trees (TEV paper, App. D.1 and Table 3).
+
+Table 3 holds the drafter, the builder and the realized trees fixed across verifiers and times only
+the verifier decision and the cache commit that follows from its accepted path, excluding the shared
+target tree forward. :func:`verifier_latency` reproduces that protocol:
+
+1. for every budget B it runs real decoding rounds (drafter -> DDTree best-first builder -> ONE
+   target forward over the tree, exactly as :func:`impl.tev.decode.tev_decode`), keeping each
+   realized tree, its per-node target rows p_v (float32 ``[N, V]``, temperature applied) and the
+   KV cache holding ``prefix + N`` rows; these are shared by every verifier;
+2. on each tree it times every verifier (``validate=False``: the tree was validated when it was
+   built and the rows are a softmax) plus :func:`impl.tev.decode.commit_cache` of its accepted path
+   on a fresh copy of that cache, interleaved: ``warmup + repeats`` passes over the verifiers, each
+   pass in a rotated order, the warm-up passes discarded, the copies made before the first pass,
+   the garbage collector paused and everything under ``torch.inference_mode`` (as DDTree's
+   generation loop runs);
+3. the round then commits one exact path (TEV's, untimed) to the real cache and decoding continues.
+
+Per (budget, verifier) it reports the per-tree median latency (median and mean over trees, plus the
+decision and commit parts), the ratio to the baseline verifier (median of the per-tree ratios and
+ratio of the means) and the mean output-block length tau = D + 1 (bonus counted, micro average over
+every timed call) against 1 + mean C_p(T) of the same trees (Eq. 11: E[tau | T] = 1 + C_p(T) for
+every exact verifier), with its standard error, for the tau-agreement check. Timing is wall-clock
+on the calling thread: compare arms only within one call, as ratios (DESIGN.md "Timing").
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import statistics
+import time
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from impl.spec.ar import check_prompt_ids
+
+from .builder import best_first_tree
+from .decode import FixedDrafter, _forward, _IncrementalContext, _PlainContext, _sync, commit_cache
+from .exit_law import target_coverage
+from .verify import VERIFIERS
+
+#: the verifiers timed by default and the baseline the ratios refer to (DDTree's predraw)
+DEFAULT_VERIFIERS = ("predraw_follow", "sequential_residual", "tev")
+BASELINE = "predraw_follow"
+
+
+def _clone_cache(cache):
+    return copy.deepcopy(cache)
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def _resolve(verifiers) -> dict[str, Callable]:
+    if verifiers is None:
+        return {name: VERIFIERS[name] for name in DEFAULT_VERIFIERS}
+    if isinstance(verifiers, Mapping):
+        out = dict(verifiers)
+    else:
+        out = {}
+        for name in verifiers:
+            if name not in VERIFIERS:
+                raise ValueError(f"unknown verifier {name!r}; choose from {', '.join(VERIFIERS)} or pass a mapping")
+            out[name] = VERIFIERS[name]
+    if not out or not all(callable(f) for f in out.values()):
+        raise ValueError("verifiers must name at least one callable verifier")
+    return out
+
+
+def _time_tree(arms: dict[str, Callable], gens: dict[str, torch.Generator], parents, tokens, probs, cache,
+               prefix_len: int, repeats: int, warmup: int, offset: int) -> dict[str, list[tuple[float, float, int]]]:
+    """``warmup + repeats`` interleaved passes over the arms on one tree; returns per arm the timed
+    ``(decision_s, commit_s, tau)`` of the non-warm-up passes. All cache copies are made before the
+    first pass, so no copy (and no large allocation) runs between timed calls."""
+    names = list(arms)
+    n = len(parents)
+    out: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
+    copies = [[_clone_cache(cache) for _ in names] for _ in range(warmup + repeats)]
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for rep in range(warmup + repeats):
+            k = (rep + offset) % len(names)
+            for name, c in zip(names[k:] + names[:k], copies[rep]):
+                _sync(probs.device)
+                t0 = time.perf_counter()
+                path, _ = arms[name](parents, tokens, probs, gens[name], validate=False)
+                _sync(probs.device)
+                t1 = time.perf_counter()
+                commit_cache(c, prefix_len, n, path)
+                _sync(probs.device)
+                t2 = time.perf_counter()
+                if rep >= warmup:
+                    out[name].append((t1 - t0, t2 - t1, len(path)))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return out
+
+
+@torch.inference_mode()
+def verifier_latency(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    budgets: Sequence[int] = (32, 64, 128),
+    depth: int = 8,
+    temperature: float = 1.0,
+    *,
+    n_trees: int = 32,
+    repeats: int = 5,
+    warmup: int = 1,
+    seed: int = 0,
+    verifiers: Sequence[str] | Mapping[str, Callable] | None = None,
+    baseline: str = BASELINE,
+    rounds_per_prompt: int = 8,
+) -> list[dict]:
+    """Time verifier decision + cache commit per realized tree, interleaved across verifiers
+    (TEV App. D.1, Table 3; protocol in the module docstring).
+
+    Args:
+        target: Hugging Face causal LM (eval mode).
+        drafter: a :class:`impl.tev.drafter.BlockDrafter`, a :class:`impl.tev.decode.FixedDrafter`
+            (e.g. :func:`bigram_drafter`) or any drafter :func:`impl.tev.decode.tev_decode` accepts;
+            a drafter with a ``draft_tokens(committed_ids) -> [H, V]`` method (e.g.
+            :class:`TargetChainDrafter`) is given the committed token ids instead.
+        prompts: prompt token-id lists, used in turn (cyclically) for ``rounds_per_prompt`` rounds each.
+        budgets: tree budgets B (non-root nodes, DDTree best-first builder).
+        depth: maximum tree depth, ``1 <= depth <= drafter.block_size``.
+        temperature: T > 0 for p_v = softmax(logits / T); 0 gives one-hot argmax rows.
+        n_trees: realized trees per budget.
+        repeats: timed calls of every verifier per tree (the per-tree latency is their median).
+        warmup: untimed leading passes per tree.
+        seed: seeds the decoding generator (``seed``) and one generator per verifier
+            (``seed + 1 + i``), so runs are reproducible up to timing.
+        verifiers: names in :data:`impl.tev.verify.VERIFIERS`, or a mapping name -> callable with the
+            verifier signature plus a ``validate`` keyword (e.g. a ``functools.partial`` selecting a
+            sampler); default :data:`DEFAULT_VERIFIERS`.
+        baseline: the verifier the ratios refer to (must be among ``verifiers``).
+        rounds_per_prompt: decoding rounds (trees) taken from one prompt before moving on.
+
+    Memory: each tree holds ``(warmup + repeats) * len(verifiers)`` deep copies of the KV cache.
+
+    Returns:
+        One dict per (budget, verifier), budgets in the given order, verifiers in the given order:
+        ``budget, verifier, baseline, depth, temperature, n_trees, repeats, n_calls`` (timed calls),
+        ``median_us`` / ``mean_us`` (median / mean over trees of the per-tree median of decision +
+        commit, microseconds), ``decision_median_us`` / ``commit_median_us`` (median over trees of
+        the per-tree medians of each part), ``ratio_median`` (median over trees of per-tree median /
+        baseline's), ``ratio_of_means`` (``mean_us`` / baseline's), ``decision_ratio_median`` (as
+        ``ratio_median`` for the decision alone), ``mean_tau`` (micro average of tau = len(path) = D + 1 over the
+        timed calls), ``tau_se`` (standard error of mean tau - (1 + C_p), from the per-call
+        deviations tau - 1 - C_p(tree)), ``expected_tau`` (1 + mean C_p of the trees), ``mean_cp``,
+        ``mean_tree_size`` (non-root nodes) and ``tree_us`` (the per-tree median latencies, in tree
+        order, for other pairings).
+
+    Raises:
+        ValueError: no prompts, a bad prompt, ``depth`` outside ``[1, block_size]``, a budget < 1,
+            ``n_trees`` / ``repeats`` < 1, ``warmup`` < 0, T < 0, unknown verifiers or a baseline
+            not among them, or a prompt too long for ``rounds_per_prompt`` rounds in the context.
+    """
+    arms = _resolve(verifiers)
+    if baseline not in arms:
+        raise ValueError(f"baseline {baseline!r} is not among the verifiers {list(arms)}")
+    if not prompts:
+        raise ValueError("need at least one prompt")
+    H = int(drafter.block_size)
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= H:
+        raise ValueError(f"depth must be an int in [1, drafter.block_size={H}], got {depth!r}")
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets) or not budgets:
+        raise ValueError(f"budgets must be ints >= 1, got {list(budgets)}")
+    if n_trees < 1 or repeats < 1 or warmup < 0 or rounds_per_prompt < 1:
+        raise ValueError("need n_trees >= 1, repeats >= 1, warmup >= 0 and rounds_per_prompt >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    ctx_len = getattr(target.config, "max_position_embeddings", None)
+    for p in prompts:
+        check_prompt_ids(target, list(p))
+        if ctx_len is not None and len(p) + rounds_per_prompt * (depth + 1) + max(budgets) + 1 > ctx_len:
+            raise ValueError(f"a prompt of {len(p)} tokens leaves no room for {rounds_per_prompt} rounds of depth "
+                             f"{depth} and budget {max(budgets)} in the context of {ctx_len}")
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    feature_layers = [int(d) for d in drafter.feature_layers]
+    rows: list[dict] = []
+    for budget in budgets:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        gens = {name: torch.Generator(device=device).manual_seed(seed + 1 + i) for i, name in enumerate(arms)}
+        calls: dict[str, list[tuple[float, float, int]]] = {name: [] for name in arms}
+        per_tree: dict[str, list[float]] = {name: [] for name in arms}  # median decision + commit
+        per_tree_dec: dict[str, list[float]] = {name: [] for name in arms}  # median decision
+        per_tree_com: dict[str, list[float]] = {name: [] for name in arms}  # median commit
+        cps: list[float] = []
+        sizes: list[int] = []
+        dev_of_calls: dict[str, list[float]] = {name: [] for name in arms}
+        prompt_i = 0
+        while len(cps) < n_trees:
+            seq = list(prompts[prompt_i % len(prompts)])
+            prompt_i += 1
+            cache = DynamicCache(config=target.config)
+            if len(seq) > 1:
+                ids = torch.tensor([seq[:-1]], dtype=torch.long, device=device)
+                _, feats = _forward(target, ids, torch.arange(len(seq) - 1, device=device)[None], None, cache,
+                                    feature_layers)
+            else:
+                width = len(feature_layers) * int(target.config.hidden_size)
+                feats = torch.zeros(0, width, device=device)
+            ctx = (_IncrementalContext if hasattr(drafter, "init_context") else _PlainContext)(drafter, feats)
+            pending = None
+            for _ in range(rounds_per_prompt):
+                if len(cps) >= n_trees:
+                    break
+                prefix_len = len(seq) - 1
+                if pending is not None:
+                    ctx.extend(pending)
+                marg = drafter.draft_tokens(seq) if hasattr(drafter, "draft_tokens") else ctx.draft(seq[-1])
+                tree = best_first_tree(marg, budget, depth, root_token=seq[-1])
+                logits, tree_feats = _forward(target, tree.input_ids(device), tree.position_ids(prefix_len, device),
+                                              tree.attention_mask(prefix_len, device), cache, feature_layers)
+                if temperature > 0:
+                    probs = torch.softmax(logits.float() / temperature, dim=-1)
+                else:
+                    probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+                cp = target_coverage(tree.parents, tree.tokens, probs)
+                timed = _time_tree(arms, gens, tree.parents, tree.tokens, probs, cache, prefix_len, repeats, warmup,
+                                   offset=len(cps))
+                for name, got in timed.items():
+                    calls[name] += got
+                    per_tree[name].append(_median([a + b for a, b, _ in got]))
+                    per_tree_dec[name].append(_median([a for a, _, _ in got]))
+                    per_tree_com[name].append(_median([b for _, b, _ in got]))
+                    dev_of_calls[name] += [tau - 1.0 - cp for _, _, tau in got]
+                cps.append(cp)
+                sizes.append(len(tree) - 1)
+                # continue decoding along one exact path (untimed)
+                path, bonus = VERIFIERS["tev"](tree.parents, tree.tokens, probs, gen, validate=False)
+                commit_cache(cache, prefix_len, len(tree), path)
+                pending = tree_feats[torch.tensor(path, device=tree_feats.device)]
+                seq += tree.path_tokens(path[-1]) + [bonus]
+        base_trees = per_tree[baseline]
+        base_mean = _mean(base_trees)
+        for name in arms:
+            taus = [tau for _, _, tau in calls[name]]
+            dev = dev_of_calls[name]
+            sd = statistics.stdev(dev) if len(dev) > 1 else float("nan")
+            rows.append({
+                "budget": budget,
+                "verifier": name,
+                "baseline": baseline,
+                "depth": depth,
+                "temperature": float(temperature),
+                "n_trees": len(cps),
+                "repeats": repeats,
+                "n_calls": len(calls[name]),
+                "median_us": 1e6 * _median(per_tree[name]),
+                "mean_us": 1e6 * _mean(per_tree[name]),
+                "decision_median_us": 1e6 * _median(per_tree_dec[name]),
+                "commit_median_us": 1e6 * _median(per_tree_com[name]),
+                "ratio_median": _median([a / b for a, b in zip(per_tree[name], base_trees)]),
+                "ratio_of_means": _mean(per_tree[name]) / base_mean,
+                "decision_ratio_median": _median([a / b for a, b in zip(per_tree_dec[name], per_tree_dec[baseline])]),
+                "mean_tau": _mean(taus),
+                "tau_se": sd / len(dev) ** 0.5 if dev else float("nan"),
+                "expected_tau": 1.0 + _mean(cps),
+                "mean_cp": _mean(cps),
+                "mean_tree_size": _mean(sizes),
+                "tree_us": [1e6 * t for t in per_tree[name]],
+            })
+    return rows
+
+
+def bigram_drafter(target, block_size: int = 8, sharpen: float = 1.0) -> FixedDrafter:
+    """A stand-in drafter with realistic, peaked, context-dependent marginals, for latency runs
+    without a trained drafter: row 0 is the target's own next-token log-distribution after the last
+    committed token alone (a one-token context), and row k the same after the argmax of row k - 1
+    (a greedy bigram chain of the target), scaled by ``sharpen`` (> 1 sharper).
+
+    Rows are computed lazily, one single-token target forward per new token, and cached.
+
+    Args:
+        target: Hugging Face causal LM.
+        block_size: H, the number of drafted rows.
+        sharpen: multiplier of the log-probabilities (> 0).
+
+    Returns:
+        :class:`impl.tev.decode.FixedDrafter` (no feature layers).
+
+    Raises:
+        ValueError: ``block_size < 1`` or ``sharpen <= 0``.
+    """
+    if block_size < 1 or not sharpen > 0:
+        raise ValueError(f"need block_size >= 1 and sharpen > 0, got {block_size}, {sharpen}")
+    device = next(target.parameters()).device
+
+    @functools.lru_cache(maxsize=None)
+    def row(tok: int) -> torch.Tensor:
+        with torch.no_grad():
+            logits = target(input_ids=torch.tensor([[tok]], device=device)).logits[0, -1].float()
+        return torch.log_softmax(logits, -1).cpu() * sharpen
+
+    def marginals(n: int, last: int) -> torch.Tensor:
+        out, tok = [], int(last)
+        for _ in range(block_size):
+            r = row(tok)
+            out.append(r)
+            tok = int(r.argmax())
+        return torch.stack(out)
+
+    return FixedDrafter(marginals, block_size=block_size)
+
+
+class TargetChainDrafter:
+    """A stand-in drafter whose marginals are the target's own: row k is the target's next-token
+    log-distribution (at ``draft_temperature``) after the committed tokens plus the target's greedy
+    continuation of length k. Peaked where the target is, so best-first trees and accepted paths
+    have realistic shapes without a trained drafter (for verifier-latency runs only: drafting costs
+    H target steps, and :func:`impl.tev.decode.tev_decode` does not call ``draft_tokens``).
+
+    Args:
+        target: Hugging Face causal LM.
+        block_size: H, the number of drafted rows.
+        draft_temperature: divides the target logits (> 0; above 1 flattens the marginals).
+
+    Raises:
+        ValueError: ``block_size < 1`` or ``draft_temperature <= 0``.
+    """
+
+    feature_layers: list[int] = []
+
+    def __init__(self, target, block_size: int = 8, draft_temperature: float = 1.0):
+        if block_size < 1 or not draft_temperature > 0:
+            raise ValueError(f"need block_size >= 1 and draft_temperature > 0, got {block_size}, {draft_temperature}")
+        self.target, self.block_size, self.draft_temperature = target, int(block_size), float(draft_temperature)
+        self.feature_layers = []
+
+    @torch.no_grad()
+    def draft_tokens(self, committed: Sequence[int]) -> torch.Tensor:
+        """``[H, V]`` log-marginals for the continuation of ``committed`` (its greedy target chain)."""
+        from transformers import DynamicCache
+
+        device = next(self.target.parameters()).device
+        cache = DynamicCache(config=self.target.config)
+        ids = torch.tensor([list(committed)], dtype=torch.long, device=device)
+        rows = []
+        for _ in range(self.block_size):
+            logits = self.target(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
+            rows.append(torch.log_softmax(logits / self.draft_temperature, -1).cpu())
+            ids = logits.argmax().view(1, 1)
+        return torch.stack(rows)
+
+    def draft(self, context_features: torch.Tensor, last_token: int) -> torch.Tensor:
+        """Not available: this drafter needs the committed token ids (:meth:`draft_tokens`)."""
+        raise NotImplementedError("TargetChainDrafter drafts from token ids: use draft_tokens")

@@ -1,0 +1,451 @@
+"""Verifier-stage latency benchmark (impl.tev.latency, TEV App. D.1 / Table 3) and the fast paths it
+times (impl.tev.verify, impl.tev.exit_law.law_from_gathered, impl.tev.decode.commit_cache).
+
+Fast paths against reference implementations: the gathered exit law equals the float64 reference
+:func:`exit_law` (exact zeros included); the batched two-level inverse CDF returns exactly the
+one-level float64 inverse-CDF index for the same uniforms and never a zero-probability token; each
+verifier gives the same output as a reference written from the definitions with the same generator
+consumption (validate=True and validate=False alike); the sampler / draw-mode variants keep the
+committed-block law (chi-square); the in-place KV commit equals a full gather. The benchmark runs on a
+tiny random target with a FixedDrafter and returns well-formed rows whose mean block lengths agree
+with each other and with 1 + mean C_p. No timing is asserted (machines are noisy).
+"""
+
+import functools
+import math
+from collections import Counter
+
+import pytest
+import torch
+from scipy import stats
+
+from impl.tev.decode import FixedDrafter, commit_cache
+from impl.tev.exit_law import exit_law, law_from_gathered, residual_distribution
+from impl.tev.latency import DEFAULT_VERIFIERS, TargetChainDrafter, bigram_drafter, verifier_latency
+from impl.tev.tree import DraftTree, path_to
+from impl.tev.verify import (
+    VERIFIERS,
+    _categorical,
+    _categorical_rows,
+    inverse_cdf_rows,
+    predraw_follow,
+    sequential_residual,
+    tev,
+)
+
+P_MIN = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# --- random trees and rows ------------------------------------------------------------------------
+
+def _random_tree(g, n, v_size, max_depth, chain=False):
+    t = DraftTree.root_only(0)
+    while len(t) < n:
+        if chain and len(t) <= max_depth:  # one deep chain first, so the doubling needs > 3 rounds
+            u = len(t) - 1
+        else:
+            cand = [u for u in range(len(t)) if t.depths[u] < max_depth and len(t.children[u]) < v_size - 1]
+            u = cand[int(torch.randint(len(cand), (), generator=g))]
+        used = {t.tokens[c] for c in t.children[u]}
+        free = [a for a in range(v_size) if a not in used]
+        t.add_child(u, free[int(torch.randint(len(free), (), generator=g))])
+    return t
+
+
+def _rows(g, t, v_size, kind, dtype=torch.float32):
+    n = len(t)
+    logits = torch.randn(n, v_size, generator=g, dtype=torch.float64) * 2
+    for u in range(1, n):
+        logits[t.parents[u], t.tokens[u]] += 2.0
+    if kind == "onehot":
+        return torch.nn.functional.one_hot(logits.argmax(-1), v_size).to(dtype)
+    probs = torch.softmax(logits, -1)
+    if kind == "truncated":  # the widest node's mass lies only on its drafted children (rho = 0)
+        v = max(range(n), key=lambda u: len(t.children[u]))
+        keep = torch.zeros(v_size, dtype=torch.bool)
+        keep[[t.tokens[c] for c in t.children[v]]] = True
+        probs[v] = torch.where(keep, probs[v], 0.0)
+        probs[v] /= probs[v].sum()
+    if kind == "zeros":  # sparse rows (top-k style truncation)
+        probs = torch.where(probs > probs.median(-1, keepdim=True).values, probs, 0.0)
+        probs /= probs.sum(-1, keepdim=True)
+    return _dyadic(probs).to(dtype)
+
+
+def _dyadic(probs: torch.Tensor) -> torch.Tensor:
+    """Rows on the 2^-24 grid summing to exactly 1, so that every float32 partial sum is exact and
+    fast paths that sum in float32 agree bit for bit with float64 references."""
+    q = torch.round(probs.double() * 2 ** 24)
+    top = q.argmax(-1)
+    q[torch.arange(q.shape[0]), top] += 2 ** 24 - q.sum(-1)
+    return q / 2 ** 24
+
+
+CASES = [(seed, n, v, d, kind, chain) for seed, (n, v, d, kind, chain) in enumerate([
+    (1, 5, 2, "soft", False), (2, 3, 1, "soft", False), (9, 7, 3, "soft", False), (30, 50, 4, "soft", False),
+    (20, 40, 12, "soft", True), (40, 4096, 8, "soft", False), (12, 9, 3, "truncated", False),
+    (15, 20, 4, "onehot", False), (25, 64, 6, "zeros", True), (129, 300, 8, "soft", False),
+])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed,n,v,d,kind,chain", CASES)
+def test_gathered_law_equals_reference(seed, n, v, d, kind, chain, dtype):
+    g = torch.Generator().manual_seed(seed)
+    t = _random_tree(g, n, v, d, chain)
+    probs = _rows(g, t, v, kind, dtype)
+    P0, rho0, w0 = exit_law(t.parents, t.tokens, probs)
+    par_t, tok_t = torch.tensor(t.parents), torch.tensor(t.tokens)
+    for row_sums in (None, probs.sum(-1)):
+        P, rho, w = law_from_gathered(par_t, tok_t, probs, row_sums)
+        assert P.dtype == rho.dtype == w.dtype == torch.float64
+        torch.testing.assert_close(P, P0, rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(rho, rho0, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(w, w0, rtol=1e-6, atol=1e-12)
+        assert ((w == 0) == (w0 == 0)).all() and ((rho == 0) == (rho0 == 0)).all()  # exact zeros
+
+
+def test_gathered_law_renormalises_with_row_sums():
+    g = torch.Generator().manual_seed(3)
+    t = _random_tree(g, 12, 10, 4)
+    probs = _rows(g, t, 10, "soft", torch.float64) * torch.linspace(1 - 8e-5, 1 + 8e-5, 12)[:, None].double()
+    _, _, w0 = exit_law(t.parents, t.tokens, probs)
+    _, _, w = law_from_gathered(torch.tensor(t.parents), torch.tensor(t.tokens), probs, probs.sum(-1))
+    torch.testing.assert_close(w, w0, rtol=1e-12, atol=1e-15)
+
+
+def test_root_only_law():
+    P, rho, w = law_from_gathered(torch.tensor([-1]), torch.tensor([3]), torch.tensor([[0.5, 0.5]]))
+    assert P.tolist() == rho.tolist() == w.tolist() == [1.0]
+
+
+# --- sampling primitives --------------------------------------------------------------------------
+
+def _reference_index(row: torch.Tensor, u: float) -> int:
+    c = row.to(torch.float64).cumsum(0)
+    return int(torch.searchsorted(c, torch.tensor([u * float(c[-1])], dtype=torch.float64), right=True))
+
+
+@pytest.mark.parametrize("v", [1, 2, 7, 64, 65, 97, 1000, 4096])
+def test_two_level_inverse_cdf_equals_one_level(v):
+    g = torch.Generator().manual_seed(v)
+    n = 300
+    probs = torch.softmax(torch.randn(n, v, generator=g) * 3, -1)
+    probs[::3] = torch.where(torch.rand(n // 3 + (n % 3 > 0), v, generator=g) < 0.7, 0.0, probs[::3])
+    probs[::3, 0] += 1e-3  # keep every row's total positive
+    u = torch.rand(n, dtype=torch.float64, generator=g)
+    got = inverse_cdf_rows(probs, u).tolist()
+    assert all(float(probs[r, i]) > 0 for r, i in enumerate(got))  # never a zero-probability token
+    # with exact block sums (grid values) the two-level search is the one-level one, index for index
+    probs = _dyadic(probs).float()
+    got = inverse_cdf_rows(probs, u).tolist()
+    assert got == [_reference_index(probs[r], float(u[r])) for r in range(n)]
+    assert all(float(probs[r, i]) > 0 for r, i in enumerate(got))
+    # a uniform at the top of [0, 1) lands on the last positive entry, never on trailing zeros
+    top = torch.full((n,), 1 - 2 ** -53, dtype=torch.float64)
+    last = [int(torch.nonzero(probs[r] > 0).flatten()[-1]) for r in range(n)]
+    assert inverse_cdf_rows(probs, top).tolist() == last
+
+
+def test_categorical_never_draws_zero_weight_and_matches_law():
+    g = torch.Generator().manual_seed(0)
+    for size in (5, 600):  # the Python-float path and the tensor path
+        w = torch.rand(size, dtype=torch.float64, generator=g)
+        w[::2] = 0.0
+        counts = Counter(_categorical(w, g) for _ in range(20_000))
+        assert all(w[i] > 0 for i in counts)
+        if size == 5:
+            exp = (w / w.sum() * 20_000)[w > 0]
+            obs = torch.tensor([counts.get(i, 0) for i in range(size) if w[i] > 0], dtype=torch.float64)
+            assert stats.chisquare(obs.numpy(), exp.numpy()).pvalue > P_MIN
+    assert _categorical(torch.tensor([0.0, 0.0, 2.0]), g) == 2
+    with pytest.raises(ValueError, match="total"):
+        _categorical(torch.zeros(3, dtype=torch.float64), g)
+    with pytest.raises(ValueError, match="total"):
+        _categorical(torch.zeros(700, dtype=torch.float64), g)
+
+
+def test_categorical_rows_samplers_match_row_laws():
+    g = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(3, 6, generator=g), -1)
+    for sampler in ("cdf", "multinomial"):
+        counts = [Counter() for _ in range(3)]
+        for _ in range(8000):
+            for r, i in enumerate(_categorical_rows(probs, g, sampler)):
+                counts[r][i] += 1
+        for r in range(3):
+            obs = [counts[r].get(i, 0) for i in range(6)]
+            exp = probs[r].double() * 8000
+            assert stats.chisquare(obs, (exp * (8000 / exp.sum())).numpy()).pvalue > P_MIN
+
+
+# --- verifiers against reference implementations --------------------------------------------------
+
+def _ref_predraw(t, probs, g):
+    """Definition: one uniform per node (one batched draw), exact float64 inverse CDF per row, follow."""
+    u = torch.rand(len(t), dtype=torch.float64, generator=g)
+    drawn = [_reference_index(probs[v], float(u[v])) for v in range(len(t))]
+    path = [0]
+    while True:
+        nxt = [c for c in t.children[path[-1]] if t.tokens[c] == drawn[path[-1]]]
+        if not nxt:
+            return path, drawn[path[-1]]
+        path.append(nxt[0])
+
+
+def _ref_tev(t, probs, g):
+    """Algorithm 1 from the float64 reference law, inverse-CDF draws (one uniform each)."""
+    _, _, w = exit_law(t.parents, t.tokens, probs)
+    v = _reference_index(w, float(torch.rand(1, dtype=torch.float64, generator=g)))
+    res = residual_distribution(probs[v], [t.tokens[c] for c in t.children[v]])
+    return path_to(t.parents, v), _reference_index(res, float(torch.rand(1, dtype=torch.float64, generator=g)))
+
+
+def _ref_sequential(t, probs, g):
+    """Eqs. 45-53 with the residual renormalised by a full sum after every rejection."""
+    path = [0]
+    while True:
+        v = path[-1]
+        gv = probs[v].double() / probs[v].double().sum()
+        for c in t.children[v]:
+            if float(torch.rand((), dtype=torch.float64, generator=g)) < float(gv[t.tokens[c]]):
+                path.append(c)
+                break
+            gv[t.tokens[c]] = 0.0
+            gv /= gv.sum()
+        else:
+            return path, _reference_index(gv, float(torch.rand(1, dtype=torch.float64, generator=g)))
+
+
+REFERENCES = {"predraw_follow": _ref_predraw, "tev": _ref_tev, "sequential_residual": _ref_sequential}
+
+
+@pytest.mark.parametrize("seed,n,v,d,kind,chain", CASES)
+@pytest.mark.parametrize("name", list(VERIFIERS))
+def test_verifier_equals_reference_for_the_same_generator_state(name, seed, n, v, d, kind, chain):
+    g = torch.Generator().manual_seed(100 + seed)
+    t = _random_tree(g, n, v, d, chain)
+    probs = _rows(g, t, v, kind)
+    draws = 60 if v < 1000 else 15
+    for validate in (True, False):
+        a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        got = [VERIFIERS[name](t.parents, t.tokens, probs, a, validate=validate) for _ in range(draws)]
+        want = [REFERENCES[name](t, probs, b) for _ in range(draws)]
+        assert got == want, (name, validate)
+    if kind == "onehot":  # T = 0: the greedy path whatever the generator
+        assert len(set(map(str, got))) == 1
+
+
+def test_tensor_tree_inputs():
+    g = torch.Generator().manual_seed(4)
+    t = _random_tree(g, 15, 12, 4)
+    probs = _rows(g, t, 12, "soft")
+    for f in VERIFIERS.values():
+        a, b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+        assert (f(t.parents, t.tokens, probs, a, validate=False)
+                == f(torch.tensor(t.parents), torch.tensor(t.tokens), probs, b, validate=False))
+
+
+def test_variant_options_are_checked():
+    t = DraftTree.from_paths([[1]], root_token=0)
+    probs = torch.full((2, 3), 1 / 3)
+    with pytest.raises(ValueError, match="sampler"):
+        tev(t.parents, t.tokens, probs, torch.Generator(), sampler="gumbel")
+    with pytest.raises(ValueError, match="draws"):
+        predraw_follow(t.parents, t.tokens, probs, torch.Generator(), draws="some")
+    with pytest.raises(ValueError, match="sampler"):
+        sequential_residual(t.parents, t.tokens, probs, torch.Generator(), sampler="x")
+
+
+# --- the variants keep the committed-block law (chi-square, as tests/test_tev_verify.py) ----------
+
+def _sequence_law(t, probs):
+    law = {}
+    for v in range(len(t)):
+        path = t.path_to(v)
+        pre = math.prod(float(probs[a, t.tokens[b]]) for a, b in zip(path, path[1:]))
+        drafted = {t.tokens[c] for c in t.children[v]}
+        for y in range(probs.shape[1]):
+            if y not in drafted:
+                law[tuple(t.path_tokens(v)) + (y,)] = pre * float(probs[v, y])
+    return law
+
+
+def _pvalue(counts, law):
+    keys = [k for k in law if law[k] > 0]
+    n = sum(counts.values())
+    exp = [law[k] / sum(law[j] for j in keys) * n for k in keys]
+    obs = [counts.get(k, 0) for k in keys]
+    big = [i for i, e in enumerate(exp) if e >= 5]
+    small = [i for i, e in enumerate(exp) if e < 5]
+    f_exp, f_obs = [exp[i] for i in big], [obs[i] for i in big]
+    if small:
+        f_exp.append(sum(exp[i] for i in small))
+        f_obs.append(sum(obs[i] for i in small))
+    s = sum(f_obs) / sum(f_exp)
+    return float(stats.chisquare(f_obs, [e * s for e in f_exp]).pvalue)
+
+
+VARIANTS = {
+    "predraw_visited": functools.partial(predraw_follow, draws="visited"),
+    "predraw_multinomial": functools.partial(predraw_follow, sampler="multinomial"),
+    "predraw_visited_multinomial": functools.partial(predraw_follow, draws="visited", sampler="multinomial"),
+    "sequential_multinomial": functools.partial(sequential_residual, sampler="multinomial"),
+    "tev_multinomial": functools.partial(tev, sampler="multinomial"),
+    "tev_no_validation": functools.partial(tev, validate=False),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_committed_block_is_target_distributed(name):
+    g = torch.Generator().manual_seed(11)
+    t = _random_tree(g, 8, 6, 3)
+    probs = _rows(g, t, 6, "soft")
+    probs = (probs.double() / probs.double().sum(-1, keepdim=True)).float()
+    f, gen = VARIANTS[name], torch.Generator().manual_seed(2024)
+    counts = Counter()
+    for _ in range(12_000):
+        path, bonus = f(t.parents, t.tokens, probs, gen)
+        counts[tuple(t.tokens[u] for u in path[1:]) + (bonus,)] += 1
+    law = _sequence_law(t, probs)
+    assert all(law.get(k, 0) > 0 for k in counts)
+    assert _pvalue(counts, law) > P_MIN
+
+
+# --- the in-place KV commit -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [[0], [0, 1, 2], [0, 1, 2, 3, 4, 5], [0, 3, 4, 5], [0, 1, 5, 9], [0, 6], [0, 2, 7]])
+def test_commit_equals_full_gather(tiny_model, path):
+    from transformers import DynamicCache
+
+    prefix = [3, 1, 4, 1, 5]
+    tree = DraftTree.from_paths([[10, 11, 12, 13, 14], [20, 21], [30, 31, 32], [40]], root_token=9)
+    with torch.no_grad():
+        cache = DynamicCache(config=tiny_model.config)
+        tiny_model(input_ids=torch.tensor([prefix]), cache=cache, use_cache=True)
+        tiny_model(input_ids=tree.input_ids(), attention_mask=tree.attention_mask(len(prefix)),
+                   position_ids=tree.position_ids(len(prefix)), cache=cache, use_cache=True)
+    keep = torch.tensor(list(range(len(prefix))) + [len(prefix) + u for u in path])
+    want = [(layer.keys.index_select(-2, keep).clone(), layer.values.index_select(-2, keep).clone())
+            for layer in cache.layers]
+    commit_cache(cache, len(prefix), len(tree), path)
+    assert cache.get_seq_length() == len(prefix) + len(path)
+    for layer, (k, v) in zip(cache.layers, want):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+
+
+# --- the benchmark ----------------------------------------------------------------------------------
+
+V_TINY = 97
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], [2, 7, 1, 8]]
+
+
+def _peaked(n, last):
+    """Peaked random marginals (a confident drafter that knows nothing)."""
+    return torch.randn(8, V_TINY, generator=torch.Generator().manual_seed(7919 * n + last)) * 3.0
+
+
+@pytest.fixture(scope="module")
+def oracle_drafter(tiny_model):
+    """A FixedDrafter whose rows favour the target's greedy continuation where the committed
+    (length, last token) matches a point of the prompts' greedy runs: accepted paths of depth > 0."""
+    from impl.spec.ar import ar_decode
+
+    table = {}
+    for p in PROMPTS:
+        full = p + ar_decode(tiny_model, p, 60).tokens
+        for n in range(len(p), len(full)):
+            table[(n, full[n - 1])] = full[n:n + 8]
+
+    def fn(n, last):
+        z = torch.randn(8, V_TINY, generator=torch.Generator().manual_seed(7919 * n + last))
+        for k, t in enumerate(table.get((n, last), [])):
+            z[k, t] += 4.0
+        return z
+
+    return FixedDrafter(fn, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def latency_rows(tiny_model, oracle_drafter):
+    arms = {name: VERIFIERS[name] for name in DEFAULT_VERIFIERS}
+    arms["predraw_multinomial"] = functools.partial(predraw_follow, sampler="multinomial")
+    return verifier_latency(tiny_model, oracle_drafter, PROMPTS, budgets=(4, 16), depth=4, temperature=0.3,
+                            n_trees=12, repeats=30, seed=3, verifiers=arms, rounds_per_prompt=4)
+
+
+def test_benchmark_rows_are_well_formed(latency_rows):
+    rows = latency_rows
+    assert [(r["budget"], r["verifier"]) for r in rows] == [
+        (b, v) for b in (4, 16) for v in list(DEFAULT_VERIFIERS) + ["predraw_multinomial"]]
+    for r in rows:
+        assert r["n_trees"] == 12 and r["n_calls"] == 360 and r["repeats"] == 30
+        assert r["baseline"] == "predraw_follow" and r["depth"] == 4 and r["temperature"] == 0.3
+        assert len(r["tree_us"]) == 12 and all(x > 0 for x in r["tree_us"])
+        for k in ("median_us", "mean_us", "decision_median_us", "commit_median_us", "ratio_median",
+                  "ratio_of_means", "decision_ratio_median", "tau_se"):
+            assert math.isfinite(r[k]) and r[k] > 0, k
+        assert 1.0 <= r["mean_tau"] <= 5.0 and r["expected_tau"] == 1.0 + r["mean_cp"]
+        assert 0 < r["mean_tree_size"] <= r["budget"]
+        if r["verifier"] == "predraw_follow":
+            assert r["ratio_median"] == r["ratio_of_means"] == r["decision_ratio_median"] == 1.0
+    # every verifier saw the same realized trees
+    for b in (4, 16):
+        assert len({(r["mean_cp"], r["mean_tree_size"]) for r in rows if r["budget"] == b}) == 1
+
+
+def test_benchmark_mean_block_lengths_agree(latency_rows):
+    for b in (4, 16):
+        rows = [r for r in latency_rows if r["budget"] == b]
+        assert rows[0]["mean_cp"] > 0.15  # drafts get accepted: the check has something to test
+        for r in rows:  # E[tau | tree] = 1 + C_p(tree) for every exact verifier (Eq. 11)
+            assert abs(r["mean_tau"] - r["expected_tau"]) < 4.5 * r["tau_se"], r
+        for r in rows:
+            for s in rows:  # pairwise, within the combined sampling error
+                assert abs(r["mean_tau"] - s["mean_tau"]) < 4.5 * math.hypot(r["tau_se"], s["tau_se"])
+
+
+def test_benchmark_greedy_block_lengths_are_exact(tiny_model):
+    rows = verifier_latency(tiny_model, FixedDrafter(_peaked, block_size=8), [[3, 1, 4, 1, 5]], budgets=(8,), depth=3,
+                            temperature=0.0, n_trees=4, repeats=2, warmup=0, seed=0)
+    for r in rows:  # one-hot rows: tau = 1 + C_p exactly on every call
+        assert r["mean_tau"] == pytest.approx(r["expected_tau"], abs=1e-9) and r["tau_se"] == pytest.approx(0)
+
+
+def test_benchmark_stand_in_drafters(tiny_model):
+    chain = TargetChainDrafter(tiny_model, block_size=4)
+    rows = verifier_latency(tiny_model, chain, [[3, 1, 4, 1, 5]], budgets=(6,), depth=4, n_trees=3, repeats=2,
+                            verifiers=["predraw_follow", "tev"])
+    assert [r["verifier"] for r in rows] == ["predraw_follow", "tev"] and rows[0]["mean_cp"] > 0
+    marg = chain.draft_tokens([3, 1, 4])
+    assert marg.shape == (4, V_TINY) and torch.allclose(marg.exp().sum(-1), torch.ones(4), atol=1e-5)
+    bigram = bigram_drafter(tiny_model, block_size=3, sharpen=2.0)
+    m = bigram.draft(torch.zeros(2, 0), 5)
+    assert m.shape == (3, V_TINY)
+    after_first = bigram.draft(torch.zeros(0, 0), int(m[0].argmax()))  # the chain: row 1 = row 0 of argmax
+    assert torch.equal(m[1], after_first[0])
+
+
+def test_benchmark_input_checks(tiny_model):
+    drafter = FixedDrafter(_peaked, block_size=8)
+    ok = dict(budgets=(4,), depth=2, n_trees=1, repeats=1)
+    with pytest.raises(ValueError, match="baseline"):
+        verifier_latency(tiny_model, drafter, [[1, 2]], verifiers=["tev"], **ok)
+    with pytest.raises(ValueError, match="unknown verifier"):
+        verifier_latency(tiny_model, drafter, [[1, 2]], verifiers=["predraw_follow", "nope"], **ok)
+    with pytest.raises(ValueError, match="depth"):
+        verifier_latency(tiny_model, drafter, [[1, 2]], **{**ok, "depth": 9})
+    with pytest.raises(ValueError, match="prompt"):
+        verifier_latency(tiny_model, drafter, [], **ok)
+    with pytest.raises(ValueError, match="budgets"):
+        verifier_latency(tiny_model, drafter, [[1, 2]], **{**ok, "budgets": (0,)})
+    with pytest.raises(ValueError, match="context"):
+        verifier_latency(tiny_model, drafter, [[1] * 120], **ok)

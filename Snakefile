@@ -21,6 +21,7 @@ include: "workflows/workloads.smk"
 include: "workflows/ead.smk"
 include: "workflows/dex.smk"
 include: "workflows/tev.smk"
+include: "workflows/vskipper.smk"
 include: "workflows/report.smk"
 
 

@@ -22,9 +22,12 @@ from impl.config import validate_config
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_CONFIGS = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
 PROFILE = ROOT / "profiles" / "slurm" / "config.yaml"
-GPU_RULES = ("measure_ead", "ar_bench", "train_model")
-ALL_RULES = ("tokenizer", "corpus", "train_model", "workload_text", "workload_tokens", "measure_ead",
-             "ar_bench", "tables", "figures", "report")
+GPU_RULES = ("measure_ead", "ar_bench", "train_model", "train_adapters", "dex_cell", "tev_train", "tev_cell",
+             "tev_latency", "vskipper_train_flexidepth", "vskipper_profile", "vskipper_knee", "vskipper_cell",
+             "vskipper_ablation", "vskipper_randomskip")
+MULTI_GPU_RULES = ("dex_distributed",)  # gres gpu:K from the wildcard
+ALL_RULES = tuple(re.findall(r"^\s*rule (\w+):", "\n".join(
+    p.read_text() for p in sorted((Path(__file__).resolve().parents[1] / "workflows").glob("*.smk"))), re.M))
 
 
 def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -104,6 +107,8 @@ def test_profile_dry_run(workdir, extra):
     for rule, body in blocks:
         if rule in GPU_RULES:
             assert "gres=gpu:1" in body and "slurm_partition=gpu" in body, (rule, body)
+        elif rule in MULTI_GPU_RULES:
+            assert re.search(r"gres=gpu:\d+", body) and "slurm_partition=gpu" in body, (rule, body)
         elif rule != "all":
             assert "gres=" not in body, (rule, body)
 

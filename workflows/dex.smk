@@ -91,7 +91,7 @@ if DEX:
         resources:
             mem_mb=8000,
             runtime=60,
-            gpus=lambda w: int(w.k),
+            gres=lambda w: f"gpu:{w.k}",  # one GPU per explorer rank on a cluster (ignored locally)
         shell:
             "OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node {wildcards.k} "
             "-m impl.dex.distributed --model {input.model} --prompts {input.prompts} --out {output} "

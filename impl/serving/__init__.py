@@ -9,7 +9,10 @@
 - :mod:`.metrics`: E2E / TTFT / TPOT, makespan, drain, TPS and RPS inside the injection window;
 - :mod:`.knee`: the Q* rule and the 0.75 / 0.95 / 1.25 x Q* load points;
 - :mod:`.matched`: matched-work replay and its per-request gate, the natural lane;
-- :mod:`.protocol`: paired, order-alternating repetitions, percent-change summaries, JSONL rows.
+- :mod:`.protocol`: paired, order-alternating repetitions, percent-change summaries, JSONL rows;
+- :mod:`.schema`: the optional ``vskipper:`` config section (no torch import);
+- :mod:`.commands`: the ``python -m impl`` commands the vSkipper rules run (``workflows/vskipper.smk``);
+- :mod:`.report`: the vSkipper tables, figures and report section.
 """
 
 from .arms import Arm, Clock, ContinuousBatchingArm, HTTPCompletionsArm, RealClock, Trace, WorkloadHint

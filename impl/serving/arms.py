@@ -233,7 +233,14 @@ class ContinuousBatchingArm(Arm):
         mode: None (run the model as it is), ``"dense"`` (a bound model with every routed layer dense,
             i.e. upstream on the same engine) or ``"routed"`` (the skipper decides per row).
         planner: with ``mode="routed"``, an optional per-batch mode planner (e.g.
-            :class:`impl.vskipper.mode.ModeController`) installed for the arm's lifetime.
+            :class:`impl.vskipper.mode.ModeController`) installed for the arm's lifetime. Its state
+            carries over from run to run: a :class:`~impl.vskipper.mode.ModeController` keys its
+            decisions by request id, and the ids repeat across repetitions, so use
+            ``planner_factory`` for the mode switch.
+        planner_factory: with ``mode="routed"``, a zero-argument callable returning a fresh planner;
+            called at every :meth:`start` *after* the warm-up (the warm-up runs with every row routed),
+            so each run starts with a fresh mode switch. The run's planner is ``self.planner`` until the
+            next start, and :meth:`describe` records its ``summary()`` when it has one.
         streaming: deliver every token (default True; needed for exact times after a soft reset).
         warmup_requests: requests run to completion inside :meth:`start` (default 1; 0 disables).
         warmup_prompt: prompt token ids of the warm-up requests.
@@ -248,13 +255,16 @@ class ContinuousBatchingArm(Arm):
     """
 
     def __init__(self, model, name: str = "upstream", *, cb_config=None, eos_token_id: Any = "model",
-                 mode: str | None = None, planner=None, streaming: bool = True, warmup_requests: int = 1,
+                 mode: str | None = None, planner=None, planner_factory=None, streaming: bool = True,
+                 warmup_requests: int = 1,
                  warmup_prompt: Sequence[int] = (1, 2, 3, 4), warmup_new_tokens: int = 2,
                  stop_timeout_s: float = 60.0, freeze_gc: bool = True):
         if mode not in (None, "dense", "routed"):
             raise ValueError(f"mode must be None, 'dense' or 'routed', got {mode!r}")
-        if planner is not None and mode != "routed":
+        if (planner is not None or planner_factory is not None) and mode != "routed":
             raise ValueError("a mode planner needs mode='routed'")
+        if planner is not None and planner_factory is not None:
+            raise ValueError("pass planner or planner_factory, not both")
         self.model = model
         self.name = str(name)
         self.clock = RealClock()
@@ -262,6 +272,7 @@ class ContinuousBatchingArm(Arm):
         self.eos_token_id = _resolve_eos(model, eos_token_id)
         self.mode = mode
         self.planner = planner
+        self.planner_factory = planner_factory
         self.streaming = bool(streaming)
         self.warmup_requests = int(warmup_requests)
         self.warmup_prompt = [int(t) for t in warmup_prompt]
@@ -294,7 +305,9 @@ class ContinuousBatchingArm(Arm):
         ctx = routed_context(self.model)
         self._mode_cm = ctx.dense_mode(self.mode == "dense")
         self._mode_cm.__enter__()
-        if self.planner is not None:
+        if self.planner_factory is not None:  # the run's planner is installed after the warm-up
+            self._prev_planner, ctx.planner = ctx.planner, None
+        elif self.planner is not None:
             self._prev_planner, ctx.planner = ctx.planner, self.planner
 
     def _exit_mode(self) -> None:
@@ -303,7 +316,7 @@ class ContinuousBatchingArm(Arm):
         from impl.vskipper.routed import routed_context
 
         ctx = routed_context(self.model)
-        if self.planner is not None:
+        if self.planner is not None or self.planner_factory is not None:
             ctx.planner = self._prev_planner
         self._mode_cm.__exit__(None, None, None)
         self._mode_cm = None
@@ -358,6 +371,11 @@ class ContinuousBatchingArm(Arm):
                 with self._cond:
                     for rid in warm:
                         self._traces.pop(rid, None)
+            if self.planner_factory is not None:  # a fresh planner per run, installed after the warm-up
+                from impl.vskipper.routed import routed_context
+
+                self.planner = self.planner_factory()
+                routed_context(self.model).planner = self.planner
             resolved = self._manager.continuous_batching_config
             self._settings = {f.name: _simple(getattr(resolved, f.name)) for f in dataclasses.fields(resolved)}
             if self.freeze_gc:
@@ -497,10 +515,14 @@ class ContinuousBatchingArm(Arm):
             return out
 
     def describe(self) -> dict[str, Any]:
-        """Declared settings: arm name, mode, EOS, streaming and the engine's resolved
-        ``ContinuousBatchingConfig`` fields (after the last :meth:`start`)."""
+        """Declared settings: arm name, mode, EOS, streaming, the engine's resolved
+        ``ContinuousBatchingConfig`` fields (after the last :meth:`start`) and, when the run's planner
+        has a ``summary()`` (the mode switch), its ``planner_summary`` (decisions and row counts of the
+        last run)."""
         return {"arm": self.name, "kind": type(self).__name__, "mode": self.mode,
                 "planner": None if self.planner is None else type(self.planner).__name__,
+                **({"planner_summary": _simple(self.planner.summary())}
+                   if callable(getattr(self.planner, "summary", None)) else {}),
                 "eos_token_id": _simple(self.eos_token_id), "streaming": self.streaming,
                 "warmup_requests": self.warmup_requests, "freeze_gc": self.freeze_gc,
                 "cb_config": dict(self._settings)}

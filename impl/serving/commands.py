@@ -1,0 +1,552 @@
+"""Commands of the vSkipper serving experiments (``python -m impl CMD``; vSkipper Sec. 4, Tables 2-7,
+Fig. 3), registered into :mod:`impl.cli` through ``COMMAND_MODULES``. Every command reads the
+``vskipper`` config section (:mod:`impl.serving.schema`); heavy modules are imported inside the
+commands.
+
+Pipeline (one rule per command in ``workflows/vskipper.smk``):
+
+1. ``train-flexidepth``: stage-1 FlexiDepth training of routers + adapters on the frozen base model
+   (ShareGPT tokens) -> checkpoint directory beside the model and a summary JSON.
+2. ``profile-mode``: the policy's Project-Only share per phase (measured under always-route on the
+   load workload's prompts for FlexiDepth; ``r * k / n_routed`` for RandomSkip), the routed-cost
+   profile on this device and the rule-derived mode-switch thresholds
+   (:func:`impl.vskipper.mode.derive_thresholds`, the rule's text is in the JSON).
+3. ``knee``: the Q* sweep on the upstream arm (unbound model, unmodified engine) under natural
+   generation. When the knee falls on the bottom or top rung of the sweep the command does not fail:
+   the JSON says ``status: "bottom" | "top"`` with the rule's message, and ``q_star_used`` is that
+   rung (the knee lies at or below the bottom rung / at or above the top rung), so the cells still
+   run at absolute rates, labelled as not bracketed (``vskipper.knee.on_boundary: boundary``), or
+   write one ``skipped`` row (``on_boundary: skip``).
+4. ``serve-cell``: the paired protocol (:func:`impl.serving.protocol.run_protocol`) at one load point:
+   upstream vs the served hybrid (FlexiDepth under the mode switch with the derived thresholds), and
+   optionally the mechanism ablations (prefill-only, decode-only, no-promotion, always-route), in the
+   matched-work and natural lanes. A lane rejected by the matched-work gate (or with failed requests)
+   becomes a ``kind: "rejected"`` row (with the rows measured before) instead of failing the DAG.
+5. ``randomskip-map``: Fig. 3: the r x d RandomSkip grid at one load point, each policy under
+   always-route, FlexiDepth's (shared) thresholds and its own rule-derived thresholds, against
+   upstream on the same schedules and replayed lengths.
+6. ``vskipper-tables`` / ``vskipper-figures``: tables and figures from the raw rows
+   (:mod:`impl.serving.report`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+from pathlib import Path
+
+log = logging.getLogger("impl.serving")
+
+__all__ = ["register", "cb_config_for", "knee_outcome", "build_served_arms"]
+
+#: name of the served hybrid arm and of the baseline arm in every row
+SERVED, UPSTREAM = "vskipper", "upstream"
+#: the three switch settings of the RandomSkip map (Fig. 3 a, b, c)
+MAP_SETTINGS = ("always-route", "shared", "per-policy")
+
+
+def _vsk(cfg: dict) -> dict:
+    if "vskipper" not in cfg:
+        raise SystemExit("error: the config has no 'vskipper' section")
+    return cfg["vskipper"]
+
+
+def _cfg_threads(args) -> dict:
+    from impl.cli import _config, _threads
+
+    cfg = _config(args)
+    _threads(cfg)
+    return cfg
+
+
+def _read_json(path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no such JSON file: {p}")
+    return json.loads(p.read_text(encoding="utf-8"))
+
+
+def cb_config_for(engine: dict, requests) -> object:
+    """The continuous-batching configuration every arm of a comparison shares
+    (:func:`impl.vskipper.engine.routed_cb_config` with ``vskipper.engine``'s sizes).
+
+    ``num_blocks: null`` sizes the paged cache for every request of the run at once (prompt +
+    ``max_new_tokens`` + 1 tokens each, in pages of ``page_size``) plus 4 pages of headroom, so no run
+    evicts (the engine's default sizes the cache from memory: seconds of zero-filling per start on CPU).
+
+    Args:
+        engine: the ``vskipper.engine`` mapping.
+        requests: the run's :class:`~impl.serving.loadgen.Request` list.
+    """
+    from impl.vskipper.engine import routed_cb_config
+
+    page = int(engine["page_size"])
+    blocks = engine.get("num_blocks") or sum(
+        math.ceil((len(r.input_ids) + r.max_new_tokens + 1) / page) for r in requests) + 4
+    return routed_cb_config(page_size=page, num_blocks=int(blocks), max_batch_tokens=int(engine["max_batch_tokens"]),
+                            max_requests_per_batch=int(engine["max_requests_per_batch"]))
+
+
+def _requests(v: dict, prompts: str, n: int | None):
+    from impl.provenance import read_jsonl
+
+    from .loadgen import requests_from_prompts
+
+    return requests_from_prompts(read_jsonl(prompts), v["max_new_tokens"], n=n or v["requests"])
+
+
+def _load_model(cfg: dict, model_dir: str):
+    from impl.cli import _load
+
+    return _load(cfg, model_dir)
+
+
+def _load_skipper(path: str, model):
+    from impl.vskipper.flexidepth import load_flexidepth
+
+    return load_flexidepth(path, model)
+
+
+def _prov(cfg: dict) -> dict:
+    from impl.provenance import provenance
+
+    return provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+
+
+# --------------------------------------------------------------------------------------------- train
+def cmd_train_flexidepth(args) -> None:
+    """Stage-1 FlexiDepth training on the frozen base model; writes the checkpoint and a summary."""
+    import torch
+
+    from impl.models.adapter_train import sharegpt_tokens
+    from impl.models.load import load_tokenizer
+    from impl.provenance import atomic_path, write_json
+    from impl.vskipper.flexidepth import FlexiDepthTrainConfig, train_flexidepth
+
+    cfg = _cfg_threads(args)
+    v = _vsk(cfg)
+    f = v["flexidepth"]
+    model = _load_model(cfg, args.model_dir)
+    tok = load_tokenizer(args.model_dir)
+    train, val = sharegpt_tokens(cfg["data_dir"], tok, f["max_chars"])
+    tcfg = FlexiDepthTrainConfig(routed_layers=f["routed_layers"], steps=f["steps"], batch_size=f["batch_size"],
+                                 seq_len=f["seq_len"], lr=f["lr"], skip_alpha=f["skip_alpha"], seed=cfg["seed"],
+                                 threads=f["threads"], eval_windows=f["eval_windows"],
+                                 log_every=max(1, min(25, f["steps"] // 4)))
+    n_val = f["eval_windows"] * f["seq_len"]
+    if len(val) < n_val:
+        raise ValueError(f"held-out ShareGPT text gives {len(val)} tokens, fewer than vskipper.flexidepth.eval_windows "
+                         f"x seq_len = {n_val}; raise vskipper.flexidepth.max_chars")
+    with torch.enable_grad():
+        skipper, summary = train_flexidepth(model, train, tcfg, val_windows=val[:n_val], progress=not args.quiet)
+    cfg_model = model.config
+    summary.update(model=v["model"], model_dir=str(args.model_dir), data="sharegpt",
+                   train_tokens_available=int(len(train)), checkpoint=str(args.out), **_prov(cfg))
+    extra = {"base_model": str(args.model_dir), "num_hidden_layers": int(cfg_model.num_hidden_layers),
+             "model_type": getattr(cfg_model, "model_type", None), "train": summary}
+    with atomic_path(args.out) as tmp:
+        skipper.save(tmp, extra=extra)
+    write_json(args.summary, summary)
+    log.info("flexidepth on %s: held-out skip ratio %.3f, LM loss %.3f (dense %.3f) in %.0f s", v["model"],
+             summary["eval_skip_ratio"], summary["eval_lm_loss"], summary["eval_dense_lm_loss"], summary["seconds"])
+
+
+# ------------------------------------------------------------------------------------------- profile
+def _measure_share(model, prompts: list, max_new_tokens: int, cb) -> dict:
+    """Project-Only share per phase of the bound skipper under always-route on ``prompts``."""
+    from impl.vskipper import Phase, generate_greedy, routed_context
+
+    ctx = routed_context(model)
+    ctx.reset_stats()
+    generate_greedy(model, prompts, max_new_tokens=max_new_tokens, mode="routed", cb_config=cb,
+                    request_ids=[f"share_{i}" for i in range(len(prompts))])
+    out = {"prefill": ctx.skip_ratio(Phase.PREFILL), "decode": ctx.skip_ratio(Phase.DECODE)}
+    ctx.reset_stats()
+    return out
+
+
+def cmd_profile_mode(args) -> None:
+    """Policy share, routed-cost profile and rule-derived thresholds of one policy -> JSON."""
+    from impl.provenance import write_json
+    from impl.vskipper import RandomSkip, bind_skipper, unbind_skipper
+    from impl.vskipper.mode import ModeSwitch, derive_thresholds, profile_routed_cost
+
+    cfg = _cfg_threads(args)
+    v = _vsk(cfg)
+    p = v["profile"]
+    model = _load_model(cfg, args.model_dir)
+    flexi = _load_skipper(args.flexidepth, model)
+    layers = list(flexi.routed_layers)
+    out: dict = {"policy": args.policy, "model": v["model"], "checkpoint": str(args.flexidepth),
+                 "routed_layers": layers}
+    derive = dict(share_slack=p["share_slack"], margin=p["margin"], probe_every=p["probe_every"])
+    if args.policy == "flexidepth":
+        if not args.prompts:
+            raise SystemExit("error: --policy flexidepth needs --prompts (its share is measured on them)")
+        skipper = flexi
+        reqs = _requests(v, args.prompts, None)[: p["share_prompts"]]
+        bind_skipper(model, skipper)
+        share = _measure_share(model, [list(r.input_ids) for r in reqs], v["max_new_tokens"],
+                               cb_config_for(v["engine"], reqs))
+        bad = [k for k, s in share.items() if not math.isfinite(s)]
+        if bad:
+            raise ValueError(f"no {bad} rows were routed while measuring the share")
+        out["share"] = {**share, "prompts": len(reqs), "max_new_tokens": v["max_new_tokens"],
+                        "method": "always-route generation through the engine on the first prompts of the load "
+                                  "workload; Project-Only share of (row, routed layer) pairs per phase"}
+    else:  # RandomSkip: the hash cost does not depend on (r, d); one profile serves the whole grid
+        rs = v["randomskip"]
+        skipper = RandomSkip(layers, r=0.5, d=0.5, seed=rs["seed"], layer_choice=rs["layer_choice"])
+        bind_skipper(model, skipper)
+    profile = profile_routed_cost(model, skipper, prefill_tokens=p["prefill_tokens"],
+                                  prefill_prompt_len=p["prefill_prompt_len"], decode_requests=p["decode_requests"],
+                                  decode_context=p["decode_context"], repeats=p["repeats"], seed=cfg["seed"])
+    unbind_skipper(model)
+    out["profile"] = profile
+    if args.policy == "flexidepth":
+        share = {"prefill": out["share"]["prefill"], "decode": out["share"]["decode"]}
+        thr = derive_thresholds(profile, share, **derive)
+        out["thresholds"] = thr
+        out["switch"] = ModeSwitch.from_thresholds(thr).to_dict()
+    else:
+        grid = []
+        for r in rs["r"]:
+            for d in rs["d"]:
+                sk = RandomSkip(layers, r=r, d=d, seed=rs["seed"], layer_choice=rs["layer_choice"])
+                thr = derive_thresholds(profile, sk.skip_ratio, **derive)
+                grid.append({"r": r, "d": d, "k": sk.k, "share": sk.skip_ratio, "thresholds": thr,
+                             "switch": ModeSwitch.from_thresholds(thr).to_dict()})
+        out["share"] = {"method": "analytic: r * k / n_routed (k = d * n_routed rounded half up), both phases"}
+        out["grid"] = grid
+    out.update(_prov(cfg))
+    write_json(args.out, out)
+    log.info("%s thresholds -> %s", args.policy, args.out)
+
+
+# ---------------------------------------------------------------------------------------------- knee
+def knee_outcome(rates, tps, eps: float) -> dict:
+    """Q* by :func:`impl.serving.knee.find_knee`, or the boundary outcome when the knee falls on the
+    bottom or top rung.
+
+    Args:
+        rates: offered rates, requests/s. tps: output token rate at each, tokens/s. eps: growth threshold.
+
+    Returns:
+        ``{"status": "ok" | "bottom" | "top", "q_star": Q* or None, "q_star_used": the rate the load
+        points are taken from (Q*, else the boundary rung), "bracketed": bool, "message": ...,
+        "knee": KneeResult dict or None}``. ``bottom``: the output token rate does not grow from the
+        lowest rate (knee at or below it); ``top``: it grows at every step (knee at or above the top).
+
+    Raises:
+        ValueError: for malformed sweeps (fewer than 3 rungs, repeated rates, ...), as ``find_knee``.
+    """
+    from .knee import find_knee
+
+    try:
+        k = find_knee(rates, tps, eps=eps)
+    except ValueError as e:
+        msg = str(e)
+        if not msg.startswith("knee at the"):
+            raise
+        status = "bottom" if msg.startswith("knee at the bottom") else "top"
+        used = min(rates) if status == "bottom" else max(rates)
+        return {"status": status, "q_star": None, "q_star_used": float(used), "bracketed": False, "message": msg,
+                "knee": None}
+    return {"status": "ok", "q_star": k.q_star, "q_star_used": k.q_star, "bracketed": True,
+            "message": k.rule + (f"; later growth at {list(k.later_growth)}" if k.later_growth else ""),
+            "knee": k.to_dict()}
+
+
+def cmd_knee(args) -> None:
+    """Q* sweep on the upstream arm (natural generation) -> JSON with rows, status and load points."""
+    from impl.provenance import write_json
+
+    from .arms import ContinuousBatchingArm
+    from .knee import knee_sweep, load_points
+    from .protocol import cell_seed
+
+    cfg = _cfg_threads(args)
+    v = _vsk(cfg)
+    kn = v["knee"]
+    model = _load_model(cfg, args.model_dir)
+    reqs = _requests(v, args.prompts, kn["requests"])
+    arm = ContinuousBatchingArm(model, UPSTREAM, cb_config=cb_config_for(v["engine"], reqs))
+    seed = cell_seed(cfg["seed"], args.workload, "knee-sweep")
+    rows = []
+    try:
+        _, rows = knee_sweep(arm, reqs, kn["rates"], seed=seed, eps=kn["eps"], timeout_s=v["timeout_s"],
+                             on_point=lambda r: log.info("knee %s: %.4g req/s -> TPS %.2f, E2E %.3f s", args.workload,
+                                                         r["rate"], r["tps_window"], r["e2e_mean_s"]))
+    except ValueError as e:  # a knee on a boundary rung: the rows are measured, the outcome is below
+        rows = getattr(e, "rows", None)
+        if rows is None:
+            raise
+    outcome = knee_outcome([r["rate"] for r in rows], [r["tps_window"] for r in rows], kn["eps"])
+    out = {"workload": args.workload, "model": v["model"], "requests": len(reqs), "max_new_tokens": v["max_new_tokens"],
+           "rates": list(kn["rates"]), "eps": kn["eps"], "schedule_seed": seed, "on_boundary": kn["on_boundary"],
+           **outcome, "load_points": load_points(outcome["q_star_used"], v["load_points"]),
+           "load_factors": dict(v["load_points"]), "rows": rows, **_prov(cfg)}
+    if outcome["status"] != "ok":
+        log.warning("knee of %s not bracketed (%s): %s", args.workload, outcome["status"], outcome["message"])
+    write_json(args.out, out)
+    log.info("knee %s: status %s, Q* used %.4g req/s -> %s", args.workload, outcome["status"],
+             outcome["q_star_used"], args.out)
+
+
+# ------------------------------------------------------------------------------------------- serving
+def build_served_arms(model, skipper, switch, names, cb) -> dict:
+    """The arms of a serving cell: ``upstream`` (the unbound ``model`` on the unmodified engine) and,
+    on one deep copy of the model bound to ``skipper``, the served hybrid ``vskipper`` (``switch``) and
+    any mechanism ablation in ``names`` (``switch.ablation(name)``); each run of a routed arm starts
+    with a fresh :class:`~impl.vskipper.mode.ModeController` (installed after the warm-up).
+
+    Args:
+        model: the base causal LM (left unbound). skipper: the policy. switch: the served
+        :class:`~impl.vskipper.mode.ModeSwitch`. names: routed arm names (``vskipper`` and/or
+        :data:`impl.serving.schema.ABLATION_ARMS`). cb: the shared continuous-batching config.
+
+    Returns:
+        ``{name: ContinuousBatchingArm}``, upstream first.
+    """
+    from impl.vskipper import bind_skipper
+    from impl.vskipper.mode import ModeController
+
+    from .arms import ContinuousBatchingArm
+
+    arms = {UPSTREAM: ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)}
+    bound = bind_skipper(copy.deepcopy(model), skipper)
+    for name in names:
+        sw = switch if name == SERVED else switch.ablation(name)
+        arms[name] = ContinuousBatchingArm(bound, name, cb_config=cb, mode="routed",
+                                           planner_factory=lambda sw=sw: ModeController(sw))
+    return arms
+
+
+def _knee_fields(knee: dict, point: str) -> dict:
+    factor = float(knee["load_factors"][point])
+    return {"point": point, "factor": factor, "rate": factor * float(knee["q_star_used"]),
+            "knee_status": knee["status"], "q_star": knee["q_star"], "q_star_used": knee["q_star_used"]}
+
+
+def _rejected(e: Exception, base: dict) -> list[dict]:
+    from .matched import MatchedWorkError
+
+    rows = list(getattr(e, "rows", []) or [])
+    rej = {"kind": "rejected", **base, "error": f"{type(e).__name__}: {e}",
+           "reason": "matched-work gate" if isinstance(e, MatchedWorkError) else "failed requests"}
+    if isinstance(e, MatchedWorkError):
+        rej["mismatches"] = e.mismatches
+    return [*rows, rej]
+
+
+def cmd_serve_cell(args) -> None:
+    """One load point: upstream vs the served hybrid (and ablations), per lane -> JSONL rows."""
+    from impl.provenance import write_jsonl
+    from impl.vskipper.mode import ModeSwitch
+
+    from .matched import MatchedWorkError
+    from .protocol import CellError, CellSpec, run_protocol, stamp_rows
+
+    cfg = _cfg_threads(args)
+    v = _vsk(cfg)
+    knee = _read_json(args.knee)
+    if args.point not in knee["load_factors"]:
+        raise ValueError(f"load point {args.point!r} is not a label of vskipper.load_points "
+                         f"({', '.join(knee['load_factors'])})")
+    kf = _knee_fields(knee, args.point)
+    base = {"experiment": args.experiment, "workload": args.workload, "model": v["model"], "policy": "flexidepth",
+            "cell": args.point, **kf}
+    prov = _prov(cfg)
+    if knee["status"] != "ok" and knee.get("on_boundary") == "skip":
+        write_jsonl(args.out, [{"kind": "skipped", **base, "reason": f"knee not bracketed ({knee['status']}): "
+                                f"{knee['message']}", **prov}])
+        log.warning("%s/%s skipped: knee not bracketed", args.workload, args.point)
+        return
+    thr = _read_json(args.thresholds)
+    switch = ModeSwitch.from_thresholds(thr["thresholds"])
+    model = _load_model(cfg, args.model_dir)
+    skipper = _load_skipper(args.flexidepth, model)
+    reqs = _requests(v, args.prompts, None)
+    cb = cb_config_for(v["engine"], reqs)
+    names = [SERVED] + [a for a in (args.arms or []) if a != SERVED]
+    arms = build_served_arms(model, skipper, switch, names, cb)
+    reps = args.repetitions or v["repetitions"]
+    lanes = args.lanes or v["lanes"]
+    spec = CellSpec(args.workload, args.point, kf["rate"], tuple(reqs))
+    rows: list[dict] = []
+    for lane in lanes:
+        try:
+            got = run_protocol(arms, [spec], repetitions=reps, seed=cfg["seed"], baseline=UPSTREAM, lanes=(lane,),
+                               out=None, config=cfg, device=cfg["device"], dtype=cfg["dtype"],
+                               run_id=prov["run_id"], timeout_s=v["timeout_s"], keep_ids=not args.drop_ids)
+            rows += [{**r, **base} for r in got]
+        except (CellError, MatchedWorkError) as e:
+            log.error("%s/%s lane %s rejected: %s", args.workload, args.point, lane, e)
+            rows += stamp_rows([{**r, **base} for r in _rejected(e, {**base, "lane": lane})], prov)
+    for r in rows:  # the switch each routed arm ran under, on its cell rows
+        if r.get("kind") == "cell" and r["arm"] != UPSTREAM:
+            r["switch"] = (switch if r["arm"] == SERVED else switch.ablation(r["arm"])).to_dict()
+    write_jsonl(args.out, rows)
+    log.info("%s/%s (%.4g req/s, knee %s): %d rows -> %s", args.workload, args.point, kf["rate"], knee["status"],
+             len(rows), args.out)
+
+
+def cmd_randomskip_map(args) -> None:
+    """Fig. 3: the r x d RandomSkip grid under three switch settings against upstream -> JSONL rows."""
+    from impl.provenance import write_jsonl
+    from impl.vskipper import RandomSkip, bind_skipper
+    from impl.vskipper.mode import ModeController, ModeSwitch
+
+    from .arms import ContinuousBatchingArm
+    from .matched import MatchedWorkError
+    from .protocol import CellError, cell_seed, run_cell, stamp_rows
+
+    cfg = _cfg_threads(args)
+    v = _vsk(cfg)
+    rs = v["randomskip"]
+    knee = _read_json(args.knee)
+    kf = _knee_fields(knee, rs["point"])
+    base = {"experiment": "randomskip", "workload": args.workload, "model": v["model"], "cell": rs["point"], **kf}
+    prov = _prov(cfg)
+    if knee["status"] != "ok" and knee.get("on_boundary") == "skip":
+        write_jsonl(args.out, [{"kind": "skipped", **base, "reason": f"knee not bracketed ({knee['status']})", **prov}])
+        return
+    shared = _read_json(args.shared_thresholds)
+    rnd = _read_json(args.random_thresholds)
+    grid = {(g["r"], g["d"]): g for g in rnd["grid"]}
+    model = _load_model(cfg, args.model_dir)
+    reqs = _requests(v, args.prompts, rs["requests"])
+    cb = cb_config_for(v["engine"], reqs)
+    upstream = ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)
+    seed = cell_seed(cfg["seed"], args.workload, f"randomskip-{rs['point']}")
+    lengths = None
+    rows: list[dict] = []
+    for r in rs["r"]:
+        for d in rs["d"]:
+            g = grid.get((r, d))
+            if g is None:
+                raise ValueError(f"{args.random_thresholds} has no thresholds for r={r}, d={d}; re-run profile-mode")
+            sk = RandomSkip(rnd["routed_layers"], r=r, d=d, seed=rs["seed"], layer_choice=rs["layer_choice"])
+            bound = bind_skipper(copy.deepcopy(model), sk)
+            switches = {"always-route": ModeSwitch(always_route=True),
+                        "shared": ModeSwitch.from_thresholds(shared["thresholds"]),
+                        "per-policy": ModeSwitch.from_thresholds(g["thresholds"])}
+            arms = {UPSTREAM: upstream}
+            for name, sw in switches.items():
+                arms[name] = ContinuousBatchingArm(bound, name, cb_config=cb, mode="routed",
+                                                   planner_factory=lambda sw=sw: ModeController(sw))
+            pol = {**base, "policy": "randomskip", "r": r, "d": d, "k": sk.k, "skip_share": sk.skip_ratio,
+                   "n_routed": len(sk.routed_layers)}
+            log.info("RandomSkip r=%g d=%g (s=%.3f) at %.4g req/s", r, d, sk.skip_ratio, kf["rate"])
+            try:
+                res = run_cell(arms, reqs, cell=rs["point"], rate=kf["rate"], repetitions=rs["repetitions"], seed=seed,
+                               baseline=UPSTREAM, lane="matched", lengths=lengths, workload=args.workload,
+                               timeout_s=v["timeout_s"], keep_ids=False)
+            except (CellError, MatchedWorkError) as e:
+                log.error("RandomSkip r=%g d=%g rejected: %s", r, d, e)
+                rows += [{**x, **pol} for x in _rejected(e, {**pol, "lane": "matched"})]
+                continue
+            lengths = res.lengths
+            for x in res.rows:
+                x = {**x, **pol}
+                if x["kind"] == "cell" and x["arm"] in switches:
+                    x["switch"] = switches[x["arm"]].to_dict()
+                rows.append(x)
+            for x in res.rows:
+                if x["kind"] == "summary" and x["metric"] == "e2e_mean_s":
+                    log.info("  %s: E2E mean %s %%", x["treatment"], x["text"])
+    write_jsonl(args.out, stamp_rows(rows, prov))
+    log.info("RandomSkip map: %d rows -> %s", len(rows), args.out)
+
+
+# --------------------------------------------------------------------------------- tables / figures
+def cmd_vskipper_tables(args) -> None:
+    """vSkipper tables (knee, Tables 2-4 shapes, ablation, RandomSkip map, thresholds, FlexiDepth)."""
+    from impl.report.tables import write_table
+
+    from .report import vskipper_tables
+
+    tabs = vskipper_tables(knees=args.knee, thresholds=args.thresholds, flexidepth=args.flexidepth,
+                           cells=args.cells, ablations=args.ablation, randomskip=args.randomskip)
+    for name, df in tabs.items():
+        write_table(df, Path(args.out_dir) / name)
+    log.info("vSkipper tables -> %s", args.out_dir)
+
+
+def cmd_vskipper_figures(args) -> None:
+    """vSkipper figures (Fig. 3 RandomSkip map, knee sweeps) from the tables."""
+    from .report import vskipper_figures
+
+    vskipper_figures(args.tables_dir, args.out_dir)
+
+
+# --------------------------------------------------------------------------------------- registration
+def register(add) -> None:
+    """Register the vSkipper serving commands (``add(name, fn, help)`` returns an argparse subparser
+    that already takes ``--config`` / ``--config-json`` / ``--quiet``)."""
+    from .schema import ABLATION_ARMS
+
+    sp = add("train-flexidepth", cmd_train_flexidepth,
+             "train a FlexiDepth-style skipper (stage 1: routers + adapters, frozen model) on ShareGPT tokens")
+    sp.add_argument("--model-dir", required=True, help="the base model (vskipper.model)")
+    sp.add_argument("--out", required=True, help="checkpoint directory to write (e.g. models/tiny-std-flexidepth)")
+    sp.add_argument("--summary", required=True, help="training summary JSON to write")
+
+    sp = add("profile-mode", cmd_profile_mode,
+             "a policy's Project-Only share, the routed-cost profile and the rule-derived mode-switch thresholds")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--flexidepth", required=True,
+                    help="FlexiDepth checkpoint (its routed layers are used for RandomSkip)")
+    sp.add_argument("--policy", choices=["flexidepth", "random"], default="flexidepth",
+                    help="flexidepth: measured share; random: the vskipper.randomskip grid (analytic shares)")
+    sp.add_argument("--prompts", help="token-id prompts of the load workload (flexidepth: share measurement)")
+    sp.add_argument("--out", required=True, help="JSON to write")
+
+    sp = add("knee", cmd_knee, "Q* sweep on the upstream arm under natural generation (vSkipper Sec. 4.1, App. M)")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--prompts", required=True)
+    sp.add_argument("--workload", required=True)
+    sp.add_argument("--out", required=True, help="JSON to write (rows, status, Q*, load points)")
+
+    sp = add("serve-cell", cmd_serve_cell,
+             "paired serving cell at one load point: upstream vs the served hybrid (and ablations), matched / natural")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--flexidepth", required=True, help="FlexiDepth checkpoint directory")
+    sp.add_argument("--thresholds", required=True, help="profile-mode JSON of the FlexiDepth policy")
+    sp.add_argument("--knee", required=True, help="knee JSON of the workload")
+    sp.add_argument("--prompts", required=True)
+    sp.add_argument("--workload", required=True)
+    sp.add_argument("--point", required=True, help="a label of vskipper.load_points (e.g. knee)")
+    sp.add_argument("--arms", nargs="*", choices=list(ABLATION_ARMS) + [SERVED], default=[],
+                    help="extra routed arms beside the served hybrid (mechanism ablations)")
+    sp.add_argument("--repetitions", type=int, help="override vskipper.repetitions")
+    sp.add_argument("--lanes", nargs="+", choices=["matched", "natural"], help="override vskipper.lanes")
+    sp.add_argument("--experiment", default="main", help="label stored in the rows (main, ablation)")
+    sp.add_argument("--drop-ids", action="store_true", help="do not keep output token ids in request rows")
+    sp.add_argument("--out", required=True, help="JSONL to write")
+
+    sp = add("randomskip-map", cmd_randomskip_map,
+             "Fig. 3: RandomSkip r x d grid under always-route, shared and per-policy thresholds vs upstream")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--knee", required=True)
+    sp.add_argument("--shared-thresholds", required=True, help="profile-mode JSON of FlexiDepth (shared thresholds)")
+    sp.add_argument("--random-thresholds", required=True, help="profile-mode --policy random JSON (per policy)")
+    sp.add_argument("--prompts", required=True)
+    sp.add_argument("--workload", required=True)
+    sp.add_argument("--out", required=True, help="JSONL to write")
+
+    sp = add("vskipper-tables", cmd_vskipper_tables,
+             "vSkipper tables from the raw rows (Tables 2-4, ablation, Fig. 3 data)")
+    sp.add_argument("--knee", nargs="*", default=[], help="knee JSON files")
+    sp.add_argument("--thresholds", nargs="*", default=[], help="profile-mode JSON files")
+    sp.add_argument("--flexidepth", nargs="*", default=[], help="FlexiDepth training summaries")
+    sp.add_argument("--cells", nargs="*", default=[], help="serve-cell JSONL files (main cells)")
+    sp.add_argument("--ablation", nargs="*", default=[], help="serve-cell JSONL files (ablation)")
+    sp.add_argument("--randomskip", nargs="*", default=[], help="randomskip-map JSONL files")
+    sp.add_argument("--out-dir", required=True)
+
+    sp = add("vskipper-figures", cmd_vskipper_figures, "vSkipper figures (Fig. 3 map, knee sweeps) from the tables")
+    sp.add_argument("--tables-dir", required=True)
+    sp.add_argument("--out-dir", required=True)

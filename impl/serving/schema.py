@@ -1,0 +1,230 @@
+"""The optional ``vskipper:`` config section (vSkipper Sec. 4, Tables 2-7, Fig. 3): JSON schema,
+defaults and cross-checks. Absent section = no vSkipper serving rules.
+
+Plugged into :mod:`impl.config` through ``SECTION_MODULES``: this module exposes :data:`SECTION` (the
+section's JSON schema), :data:`DEFAULTS` (merged under the user's values) and :func:`check` (cross-key
+checks on the whole validated config, raising :class:`impl.config.ConfigError` one-liners that name the
+key). Snakemake imports it at parse time, so it imports nothing heavy (no torch).
+
+Keys (units in brackets):
+
+- ``model``: the base model (a key of ``models``) the FlexiDepth-style skipper is trained on and served
+  with; upstream serves this model unmodified.
+- ``workloads``: load workloads (keys of ``workloads``); each gets its own knee and cells.
+- ``max_new_tokens`` [tokens]: natural generation cap of every request (the matched-work lane
+  replays the baseline's natural lengths, so this is also the largest replayed length).
+- ``requests``: requests per performance cell, cycled through the suite's frozen prompts (a cycled
+  request gets a ``#k`` id suffix, so RandomSkip hashes it as a new request).
+- ``repetitions``: paired repetitions per main cell (the paper uses 6; one is never resolved).
+- ``lanes``: ``matched`` (replayed lengths, EOS ignored, gated) and/or ``natural`` (App. G).
+- ``load_points``: label -> multiple of Q* (default, the paper's: below 0.75, knee 0.95, overload 1.25;
+  a mapping given replaces the default entirely, filled in by :func:`check`). The label
+  ``knee`` is where the ablation and the RandomSkip map run (``randomskip.point``).
+- ``timeout_s`` [s]: per-run completion timeout.
+- ``engine``: transformers continuous-batching settings shared by every arm: ``page_size`` [tokens],
+  ``num_blocks`` (null: enough pages for every request of a run at once), ``max_batch_tokens``
+  [tokens per forward], ``max_requests_per_batch``.
+- ``knee``: the Q* sweep on the upstream arm under natural generation: absolute ``rates`` [req/s]
+  (>= 3), growth threshold ``eps``, ``requests`` (null = ``requests``), ``on_boundary``:
+  ``boundary`` (when the knee falls on the bottom/top rung, cells run at the load points of that rung
+  and every row and table says the knee was not bracketed) or ``skip`` (cells write one ``skipped``
+  row instead of measuring).
+- ``flexidepth``: stage-1 training budget of the skipper (``steps``, ``batch_size``, ``seq_len``
+  [tokens], ``lr``, ``skip_alpha``, ``routed_layers`` (null = the second half of the layers),
+  ``threads``, ``max_chars`` of ShareGPT text tokenized for training, ``eval_windows``).
+- ``profile``: the routed-cost profile and the threshold rule (:func:`impl.vskipper.mode.profile_routed_cost`,
+  :func:`impl.vskipper.mode.derive_thresholds`): ``prefill_tokens`` [prompt tokens per batch],
+  ``prefill_prompt_len`` [tokens], ``decode_requests`` [running requests], ``decode_context``
+  [tokens], ``repeats``, ``share_slack``, ``margin``, ``probe_every`` [admitted batches], and
+  ``share_prompts``: prompts of the first load workload generated under always-route to measure the
+  policy's Project-Only share per phase.
+- ``ablations``: mechanism ablation arms run at the knee beside the served hybrid (Table 3):
+  any of ``prefill-only``, ``decode-only``, ``no-promotion``, ``always-route``; ``[]`` = no ablation
+  rule. ``ablation_repetitions``: their paired repetitions (paper: 1).
+- ``randomskip``: the Fig. 3 map: ``r`` and ``d`` grids (fractions in [0, 1]), ``point`` (a label of
+  ``load_points``), ``repetitions``, ``requests`` (null = ``requests``), hash ``seed``,
+  ``layer_choice`` (``per_row`` | ``fixed``); ``r: []`` = no map rule.
+- ``quality`` (optional, no default): settings of the quality DiD rule (Sec. 4.3, Table 5), read by the
+  hook in ``workflows/vskipper.smk`` once :mod:`impl.quality` provides the rule: ``tasks`` (of
+  gsm8k, bbh, coqa) and ``limit`` (documents per task).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SECTION", "DEFAULTS", "DEFAULT_LOAD_POINTS", "ABLATION_ARMS", "QUALITY_TASKS", "check"]
+
+#: ablation arm names (a subset of :data:`impl.vskipper.mode.ABLATIONS`; no torch import here)
+ABLATION_ARMS = ("prefill-only", "decode-only", "no-promotion", "always-route")
+#: default ``load_points`` (the paper's); not in :data:`DEFAULTS` because a user's mapping replaces it
+#: entirely (a deep merge could not drop a label) - :func:`check` fills it in when absent
+DEFAULT_LOAD_POINTS = {"below": 0.75, "knee": 0.95, "overload": 1.25}
+#: tasks the quality rule may score
+QUALITY_TASKS = ("gsm8k", "bbh", "coqa")
+_LANES = ("matched", "natural")
+
+_POS_INT = {"type": "integer", "minimum": 1}
+_POS_NUM = {"type": "number", "exclusiveMinimum": 0}
+_FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
+_SUITES = ["gsm8k", "humaneval", "xsum", "mt_bench", "math500", "bbh", "coqa"]
+
+
+def _obj(props: dict, required: tuple = ()) -> dict:
+    out = {"type": "object", "additionalProperties": False, "properties": props}
+    if required:
+        out["required"] = list(required)
+    return out
+
+
+SECTION: dict[str, Any] = {
+    **_obj({
+        "model": {"type": "string", "description": "base model served (a key of models)"},
+        "workloads": {"type": "array", "items": {"enum": _SUITES}, "minItems": 1, "uniqueItems": True},
+        "max_new_tokens": _POS_INT,
+        "requests": {**_POS_INT, "description": "requests per performance cell"},
+        "repetitions": {**_POS_INT, "description": "paired repetitions per main cell (paper: 6)"},
+        "lanes": {"type": "array", "items": {"enum": list(_LANES)}, "minItems": 1, "uniqueItems": True},
+        "load_points": {"type": "object", "minProperties": 1,
+                        "propertyNames": {"pattern": "^[A-Za-z][A-Za-z0-9_]*$"},
+                        "additionalProperties": _POS_NUM,
+                        "description": "label -> multiple of Q*"},
+        "timeout_s": _POS_NUM,
+        "engine": _obj({
+            "page_size": {"type": "integer", "minimum": 8},
+            "num_blocks": {"oneOf": [{"type": "null"}, _POS_INT]},
+            "max_batch_tokens": {"type": "integer", "minimum": 16},
+            "max_requests_per_batch": _POS_INT,
+        }),
+        "knee": _obj({
+            "rates": {"type": "array", "items": _POS_NUM, "minItems": 3, "uniqueItems": True},
+            "eps": {"type": "number", "minimum": 0},
+            "requests": {"oneOf": [{"type": "null"}, _POS_INT]},
+            "on_boundary": {"enum": ["boundary", "skip"]},
+        }),
+        "flexidepth": _obj({
+            "steps": _POS_INT,
+            "batch_size": _POS_INT,
+            "seq_len": {"type": "integer", "minimum": 8},
+            "lr": _POS_NUM,
+            "skip_alpha": {"type": "number", "minimum": 0},
+            "routed_layers": {"oneOf": [{"type": "null"},
+                                        {"type": "array", "items": {"type": "integer", "minimum": 0},
+                                         "minItems": 1, "uniqueItems": True}]},
+            "threads": _POS_INT,
+            "max_chars": {"type": "integer", "minimum": 10000},
+            "eval_windows": _POS_INT,
+        }),
+        "profile": _obj({
+            "prefill_tokens": {"type": "array", "items": _POS_INT, "minItems": 1},
+            "prefill_prompt_len": _POS_INT,
+            "decode_requests": {"type": "array", "items": _POS_INT, "minItems": 1},
+            "decode_context": _POS_INT,
+            "repeats": _POS_INT,
+            "share_slack": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+            "margin": _POS_NUM,
+            "probe_every": _POS_INT,
+            "share_prompts": _POS_INT,
+        }),
+        "ablations": {"type": "array", "items": {"enum": list(ABLATION_ARMS)}, "uniqueItems": True},
+        "ablation_repetitions": _POS_INT,
+        "randomskip": _obj({
+            "r": {"type": "array", "items": _FRACTION, "uniqueItems": True},
+            "d": {"type": "array", "items": _FRACTION, "uniqueItems": True},
+            "point": {"type": "string"},
+            "repetitions": _POS_INT,
+            "requests": {"oneOf": [{"type": "null"}, _POS_INT]},
+            "seed": {"type": "integer", "minimum": 0},
+            "layer_choice": {"enum": ["per_row", "fixed"]},
+        }),
+        "quality": _obj({
+            "tasks": {"type": "array", "items": {"enum": list(QUALITY_TASKS)}, "minItems": 1, "uniqueItems": True},
+            "limit": _POS_INT,
+        }, required=("tasks",)),
+    }),
+    "description": "vSkipper serving experiments (Sec. 4: knee, matched-work cells, ablations, RandomSkip map); "
+                   "absent = no vSkipper rules",
+}
+
+DEFAULTS: dict[str, Any] = {
+    "model": "tiny-std",
+    "workloads": ["gsm8k"],
+    "max_new_tokens": 32,
+    "requests": 48,
+    "repetitions": 2,
+    "lanes": ["matched", "natural"],
+    "timeout_s": 300.0,
+    "engine": {"page_size": 64, "num_blocks": None, "max_batch_tokens": 2048, "max_requests_per_batch": 64},
+    "knee": {"rates": [4.0, 8.0, 12.0, 16.0, 24.0, 32.0], "eps": 0.02, "requests": None, "on_boundary": "boundary"},
+    "flexidepth": {"steps": 200, "batch_size": 8, "seq_len": 128, "lr": 3e-3, "skip_alpha": 0.1,
+                   "routed_layers": None, "threads": 1, "max_chars": 2_000_000, "eval_windows": 16},
+    "profile": {"prefill_tokens": [128, 512], "prefill_prompt_len": 64, "decode_requests": [8, 32],
+                "decode_context": 96, "repeats": 5, "share_slack": 0.7, "margin": 1.0, "probe_every": 64,
+                "share_prompts": 8},
+    "ablations": list(ABLATION_ARMS),
+    "ablation_repetitions": 1,
+    "randomskip": {"r": [0.25, 0.5, 0.75], "d": [0.25, 0.5, 0.75], "point": "knee", "repetitions": 1,
+                   "requests": None, "seed": 0, "layer_choice": "per_row"},
+}
+
+
+def _error(msg: str):
+    from impl.config import ConfigError  # impl.config imports this module lazily: no cycle at import
+
+    return ConfigError(f"config: {msg}")
+
+
+def check(cfg: dict[str, Any]) -> None:
+    """Cross-checks of the merged ``vskipper`` section against the whole config.
+
+    Fills in ``vskipper.load_points`` (:data:`DEFAULT_LOAD_POINTS`) when absent. Checks:
+    ``vskipper.model`` is a key of ``models``; ``vskipper.workloads[i]`` are keys of
+    ``workloads``; ``vskipper.randomskip.point`` is a label of ``vskipper.load_points`` (when the map
+    runs); ``vskipper.randomskip.r`` and ``d`` are both empty or both non-empty; for tiny models,
+    ``vskipper.flexidepth.routed_layers`` lie in ``[0, tiny_arch.num_layers)``, and the longest request
+    (``max_prompt_tokens + vskipper.max_new_tokens``) and ``vskipper.profile.decode_context + 1`` fit the
+    context.
+
+    Raises:
+        impl.config.ConfigError: one line naming the key.
+    """
+    v = cfg["vskipper"]
+    v.setdefault("load_points", dict(DEFAULT_LOAD_POINTS))
+    if v["model"] not in cfg["models"]:
+        raise _error(f"'vskipper.model' names '{v['model']}', which is not a key of 'models' "
+                     f"({', '.join(cfg['models'])})")
+    for i, w in enumerate(v["workloads"]):
+        if w not in cfg["workloads"]:
+            raise _error(f"'vskipper.workloads[{i}]' names '{w}', which is not a key of 'workloads'")
+    rs = v["randomskip"]
+    if bool(rs["r"]) != bool(rs["d"]):
+        raise _error("'vskipper.randomskip.r' and 'vskipper.randomskip.d' must both be empty (no map) "
+                     "or both non-empty")
+    if rs["r"] and rs["point"] not in v["load_points"]:
+        raise _error(f"'vskipper.randomskip.point' = '{rs['point']}' is not a label of 'vskipper.load_points' "
+                     f"({', '.join(v['load_points'])})")
+    if v["ablations"] and "knee" not in v["load_points"]:
+        raise _error("'vskipper.ablations' run at the knee: 'vskipper.load_points' needs a 'knee' label "
+                     "(or set ablations: [])")
+    prof = v["profile"]
+    for i, n in enumerate(prof["prefill_tokens"]):
+        if n < prof["prefill_prompt_len"]:
+            raise _error(f"'vskipper.profile.prefill_tokens[{i}]' = {n} is below 'vskipper.profile.prefill_prompt_len' "
+                         f"= {prof['prefill_prompt_len']}")
+    if cfg["models"][v["model"]]["kind"] == "tiny":
+        L = cfg["tiny_arch"]["num_layers"]
+        for i, layer in enumerate(v["flexidepth"]["routed_layers"] or []):
+            if layer >= L:
+                raise _error(f"'vskipper.flexidepth.routed_layers[{i}]' = {layer} is outside [0, {L}) "
+                             "(tiny_arch.num_layers)")
+        ctx = cfg["tiny_arch"]["max_position_embeddings"]
+        need = cfg["max_prompt_tokens"] + v["max_new_tokens"]
+        if need > ctx:
+            raise _error(f"'max_prompt_tokens' + 'vskipper.max_new_tokens' = {need} exceeds "
+                         f"'tiny_arch.max_position_embeddings' = {ctx}")
+        for key, n in (("decode_context", prof["decode_context"] + 1),
+                       ("prefill_prompt_len", prof["prefill_prompt_len"]),
+                       ("flexidepth.seq_len", v["flexidepth"]["seq_len"])):
+            if n > ctx:
+                raise _error(f"'vskipper.{key if '.' in key else 'profile.' + key}' needs {n} positions, more than "
+                             f"'tiny_arch.max_position_embeddings' = {ctx}")

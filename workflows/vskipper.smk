@@ -1,0 +1,225 @@
+# vSkipper serving experiments (vSkipper Sec. 4: Tables 2-4, Table 3 ablation, Fig. 3; thresholds of
+# Sec. 3.3) on the model of vskipper.model, driven through transformers' continuous-batching engine:
+#   FlexiDepth-style skipper (stage-1 training) -> share + routed-cost profile -> rule-derived thresholds
+#   knee sweep on upstream (per workload) -> cells at vskipper.load_points x Q* (matched / natural lanes)
+#   -> mechanism ablation at the knee -> RandomSkip r x d map at randomskip.point -> tables, figures, report.
+# Each command is documented in impl/serving/commands.py (python -m impl CMD --help).
+#
+# Timing rules (profile, knee, cells, ablation, map) take 2 threads: on the embedded default
+# (snakemake --cores 2) no other job of the DAG runs beside a timed one. The commands themselves run
+# torch with the config's `threads` (the engine is one thread).
+VSK = CFG.get("vskipper")
+if VSK:
+    VSK_MODEL = VSK["model"]
+    VSK_MODEL_DIR = str(model_dir(CFG, VSK_MODEL))
+    VSK_CKPT = f"{MODELS}/{VSK_MODEL}-flexidepth"  # the skipper's checkpoint, beside the model
+    VSK_DIR = f"{RESULTS}/vskipper"
+    VSK_TABLES = f"{RESULTS}/tables/vskipper"
+    VSK_W0 = VSK["workloads"][0]  # share measurement, ablation and RandomSkip map run on the first workload
+    VSK_POINTS = list(VSK["load_points"])
+    VSK_TIMED_THREADS = 2
+
+    # token-id prompts of workload {suite} for the vSkipper model (rule workload_tokens)
+    vsk_prompts = lambda w: f"{RESULTS}/workloads/{VSK_MODEL}/{w.suite}.jsonl"  # noqa: E731
+    # sig() of the given keys of the vskipper section, plus the run-wide keys every timing job uses
+    vsk_sig = lambda *keys: sig("seed", "threads", "device", "dtype", vsk={k: VSK[k] for k in keys})  # noqa: E731
+
+    wildcard_constraints:
+        vsk_point="|".join(map(re.escape, VSK_POINTS)),
+        vsk_policy="flexidepth|random",
+
+    rule vskipper_train_flexidepth:
+        conda:
+            "../env.yaml"
+        input:
+            model=VSK_MODEL_DIR,
+        output:
+            ckpt=directory(VSK_CKPT),
+            summary=f"{VSK_DIR}/flexidepth/{VSK_MODEL}.json",
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            sig=sig("data_dir", "seed", "device", "dtype", model=VSK_MODEL, flexidepth=VSK["flexidepth"]),
+        threads: VSK["flexidepth"]["threads"]
+        log:
+            f"{LOGS}/vskipper/train_flexidepth.log",
+        resources:
+            mem_mb=8000,
+            runtime=120,
+        shell:
+            "python -m impl train-flexidepth --config-json @{params.cfg} --quiet --model-dir {input.model} "
+            "--out {output.ckpt} --summary {output.summary} 2> {log}"
+
+    rule vskipper_profile:
+        conda:
+            "../env.yaml"
+        input:
+            model=VSK_MODEL_DIR,
+            ckpt=VSK_CKPT,
+            prompts=f"{RESULTS}/workloads/{VSK_MODEL}/{VSK_W0}.jsonl",
+        output:
+            f"{VSK_DIR}/thresholds/{{vsk_policy}}.json",
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            sig=vsk_sig("profile", "engine", "max_new_tokens", "randomskip"),
+        threads: VSK_TIMED_THREADS
+        log:
+            f"{LOGS}/vskipper/profile_{{vsk_policy}}.log",
+        resources:
+            mem_mb=8000,
+            runtime=60,
+        shell:
+            "python -m impl profile-mode --config-json @{params.cfg} --quiet --model-dir {input.model} "
+            "--flexidepth {input.ckpt} --policy {wildcards.vsk_policy} --prompts {input.prompts} --out {output} 2> {log}"
+
+    rule vskipper_knee:
+        conda:
+            "../env.yaml"
+        input:
+            model=VSK_MODEL_DIR,
+            prompts=vsk_prompts,
+        output:
+            f"{VSK_DIR}/knee/{{suite}}.json",
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            sig=vsk_sig("knee", "engine", "requests", "max_new_tokens", "load_points", "timeout_s"),
+        threads: VSK_TIMED_THREADS
+        log:
+            f"{LOGS}/vskipper/knee_{{suite}}.log",
+        resources:
+            mem_mb=8000,
+            runtime=120,
+        shell:
+            "python -m impl knee --config-json @{params.cfg} --quiet --model-dir {input.model} --prompts {input.prompts} "
+            "--workload {wildcards.suite} --out {output} 2> {log}"
+
+    VSK_CELL_INPUTS = dict(model=VSK_MODEL_DIR, ckpt=VSK_CKPT, thresholds=f"{VSK_DIR}/thresholds/flexidepth.json",
+                           knee=f"{VSK_DIR}/knee/{{suite}}.json", prompts=vsk_prompts)
+    VSK_CELL_SHELL = ("python -m impl serve-cell --config-json @{params.cfg} --quiet --model-dir {input.model} "
+                      "--flexidepth {input.ckpt} --thresholds {input.thresholds} --knee {input.knee} "
+                      "--prompts {input.prompts} --workload {wildcards.suite} {params.args} --out {output} 2> {log}")
+
+    rule vskipper_cell:
+        conda:
+            "../env.yaml"
+        input:
+            **VSK_CELL_INPUTS,
+        output:
+            f"{VSK_DIR}/cells/{{suite}}/{{vsk_point}}.jsonl",
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            args=lambda w: f"--point {w.vsk_point} --experiment main",
+            sig=vsk_sig("engine", "requests", "max_new_tokens", "repetitions", "lanes", "timeout_s"),
+        threads: VSK_TIMED_THREADS
+        log:
+            f"{LOGS}/vskipper/cells/{{suite}}/{{vsk_point}}.log",
+        resources:
+            mem_mb=8000,
+            runtime=240,
+        shell:
+            VSK_CELL_SHELL
+
+    VSK_CELLS = expand(f"{VSK_DIR}/cells/{{suite}}/{{p}}.jsonl", suite=VSK["workloads"], p=VSK_POINTS)
+    VSK_ABLATION = [f"{VSK_DIR}/ablation/{VSK_W0}.jsonl"] if VSK["ablations"] else []
+    VSK_MAP = [f"{VSK_DIR}/randomskip/{VSK_W0}.jsonl"] if VSK["randomskip"]["r"] else []
+
+    if VSK_ABLATION:
+
+        rule vskipper_ablation:
+            conda:
+                "../env.yaml"
+            input:
+                **VSK_CELL_INPUTS,
+            output:
+                f"{VSK_DIR}/ablation/{{suite}}.jsonl",
+            params:
+                cfg=EFFECTIVE_CONFIG,
+                args=("--point knee --experiment ablation --lanes matched --drop-ids "
+                      f"--repetitions {VSK['ablation_repetitions']} --arms {' '.join(VSK['ablations'])}"),
+                sig=vsk_sig("engine", "requests", "max_new_tokens", "ablations", "ablation_repetitions", "timeout_s"),
+            threads: VSK_TIMED_THREADS
+            log:
+                f"{LOGS}/vskipper/ablation_{{suite}}.log",
+            resources:
+                mem_mb=8000,
+                runtime=120,
+            shell:
+                VSK_CELL_SHELL
+
+    if VSK_MAP:
+
+        rule vskipper_randomskip:
+            conda:
+                "../env.yaml"
+            input:
+                model=VSK_MODEL_DIR,
+                knee=f"{VSK_DIR}/knee/{{suite}}.json",
+                shared=f"{VSK_DIR}/thresholds/flexidepth.json",
+                random=f"{VSK_DIR}/thresholds/random.json",
+                prompts=vsk_prompts,
+            output:
+                f"{VSK_DIR}/randomskip/{{suite}}.jsonl",
+            params:
+                cfg=EFFECTIVE_CONFIG,
+                sig=vsk_sig("engine", "requests", "max_new_tokens", "randomskip", "timeout_s"),
+            threads: VSK_TIMED_THREADS
+            log:
+                f"{LOGS}/vskipper/randomskip_{{suite}}.log",
+            resources:
+                mem_mb=8000,
+                runtime=240,
+            shell:
+                "python -m impl randomskip-map --config-json @{params.cfg} --quiet --model-dir {input.model} "
+                "--knee {input.knee} --shared-thresholds {input.shared} --random-thresholds {input.random} "
+                "--prompts {input.prompts} --workload {wildcards.suite} --out {output} 2> {log}"
+
+    # ---- HOOK: quality (Sec. 4.3, Table 5: the lm-eval 2x2 DiD of base / checkpoint x native / served) ----
+    # Built separately in impl/quality/ (not wired here yet). When VSK.get("quality") is set, a rule
+    # `vskipper_quality` should take the base model (VSK_MODEL_DIR), the skipper (VSK_CKPT), the knee JSON
+    # of each task it serves under load (f"{VSK_DIR}/knee/{{suite}}.json"), write
+    # f"{VSK_DIR}/quality/{{task}}.jsonl", and add those files to VSK_REPORT_INPUTS plus its own report section
+    # (REPORT_SECTIONS.append("impl.quality.<module>:<tables dir>")). Settings: VSK["quality"] (tasks, limit).
+    VSK_QUALITY = []
+    # ---- end of HOOK ----
+
+    rule vskipper_tables:
+        conda:
+            "../env.yaml"
+        input:
+            knee=expand(f"{VSK_DIR}/knee/{{suite}}.json", suite=VSK["workloads"]),
+            thresholds=expand(f"{VSK_DIR}/thresholds/{{p}}.json", p=["flexidepth"] + (["random"] if VSK_MAP else [])),
+            flexidepth=rules.vskipper_train_flexidepth.output.summary,
+            cells=VSK_CELLS,
+            ablation=VSK_ABLATION,
+            randomskip=VSK_MAP,
+        output:
+            expand(f"{VSK_TABLES}/{{name}}.{{ext}}", name=[
+                "vskipper_flexidepth", "vskipper_thresholds", "vskipper_knee", "vskipper_knee_summary",
+                "vskipper_cells", "vskipper_table2", "vskipper_table4", "vskipper_ablation", "vskipper_randomskip",
+                "vskipper_modes", "vskipper_gate"], ext=["csv", "md"]),
+        params:
+            out=lambda w, output: os.path.dirname(output[0]),
+        log:
+            f"{LOGS}/vskipper/tables.log",
+        shell:
+            "python -m impl vskipper-tables --knee {input.knee} --thresholds {input.thresholds} "
+            "--flexidepth {input.flexidepth} --cells {input.cells} --ablation {input.ablation} "
+            "--randomskip {input.randomskip} --out-dir {params.out} 2> {log}"
+
+    rule vskipper_figures:
+        conda:
+            "../env.yaml"
+        input:
+            rules.vskipper_tables.output,
+        output:
+            expand(f"{FIGURES}/{{name}}.png", name=["vskipper_fig3", "vskipper_knee"]),
+        params:
+            tables=lambda w, input: os.path.dirname(input[0]),
+            out=lambda w, output: os.path.dirname(output[0]),
+        log:
+            f"{LOGS}/vskipper/figures.log",
+        shell:
+            "python -m impl vskipper-figures --tables-dir {params.tables} --out-dir {params.out} 2> {log}"
+
+    VSK_REPORT_INPUTS = rules.vskipper_tables.output + rules.vskipper_figures.output + VSK_QUALITY
+    REPORT_EXTRA += VSK_REPORT_INPUTS
+    REPORT_SECTIONS.append(f"impl.serving.report:{VSK_TABLES}")

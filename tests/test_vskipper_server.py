@@ -1,0 +1,501 @@
+"""The OpenAI-compatible server in front of one vSkipper engine arm (impl/vskipper/server.py), on a tiny
+random Llama saved with a tokenizer: health and model listing, greedy completions equal to
+``generate_greedy`` for the same arm (upstream dense, always-route and a hybrid whose switch routes
+everything, with RandomSkip), string and token-id prompts, SSE streaming (one chunk per token and a
+usage chunk), exact ``ignore_eos`` lengths, stop strings, top-k logprobs, concurrent requests batched
+in the shared manager, malformed requests answered with 4xx while the server keeps serving, the
+load generator's HTTP client arm, lm-eval's ``local-completions`` client, skipper specs and the
+command line with a clean SIGTERM shutdown."""
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from impl.models.load import load_model, load_tokenizer
+from impl.vskipper import ModeSwitch, RandomSkip, bind_skipper, generate_greedy, routed_cb_config
+from impl.vskipper.server import ARMS, parse_layers, parse_skipper_spec, serve
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = "randomskip:r=0.6,d=0.5,seed=3"
+CB = dict(page_size=16, num_blocks=64, max_batch_tokens=24, max_requests_per_batch=8)  # chunked prefill
+TEXT_PROMPTS = ["Question: how many apples?", "def f(x):\n", "Answer: 3 apples."]
+ID_PROMPTS = [[5, 6, 7, 8, 9], list(range(40, 60)), [60, 2]]
+NEW = 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_tokenizer):
+    """A seeded random 4-layer Llama over the tiny tokenizer's vocabulary, saved with the tokenizer."""
+    d = tmp_path_factory.mktemp("srv_model")
+    torch.manual_seed(0)
+    eos = tiny_tokenizer.eos_token_id
+    cfg = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=eos,
+                      bos_token_id=eos, initializer_range=0.2)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.mlp.down_proj.weight.mul_(4.0)
+    m.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return load_tokenizer(model_dir)
+
+
+def _start(model_dir, arm, **kw):
+    return serve(model_dir, arm, kw.pop("spec", SPEC), port=0, block=False, served_model_name="tiny",
+                 cb_overrides=CB, **kw)
+
+
+@pytest.fixture(scope="module")
+def upstream(model_dir):
+    srv = _start(model_dir, "upstream")
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def always_route(model_dir):
+    srv = _start(model_dir, "always-route")
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid_all(model_dir):
+    """Hybrid with thresholds that every batch passes: the switch routes every phase of every request."""
+    srv = _start(model_dir, "hybrid", switch=ModeSwitch(min_prefill_tokens=0, enter_threshold=0, initial_share=1.0))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def refs(model_dir):
+    """Reference generators: the unmodified model (dense) and a RandomSkip-bound copy (routed)."""
+    dense = load_model(model_dir)
+    routed = load_model(model_dir)
+    bind_skipper(routed, parse_skipper_spec(SPEC, routed))
+    eos = dense.generation_config.eos_token_id
+
+    def run(kind, prompts, ids, new=NEW, natural=True, **kw):
+        model = dense if kind == "dense" else routed
+        return generate_greedy(model, prompts, max_new_tokens=new, mode=kind, request_ids=ids,
+                               eos_token_id=eos if natural else None, cb_config=routed_cb_config(**CB), **kw)
+
+    return run
+
+
+def _post(url, body, path="/v1/completions", raw: bytes | None = None, headers=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _json(url, body, **kw):
+    code, text = _post(url, body, **kw)
+    return code, json.loads(text)
+
+
+def _get(url, path):
+    try:
+        with urllib.request.urlopen(url + path, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _sse(text):
+    out = []
+    for block in text.split("\n\n"):
+        block = block.strip()
+        if block:
+            assert block.startswith("data: "), block
+            out.append(block[6:])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+def test_health_models_and_stats(upstream, always_route):
+    for srv in (upstream, always_route):
+        code, body = _get(srv.url, "/health")
+        assert code == 200 and body["status"] == "ok" and body["arm"] == srv.engine.arm
+        code, body = _get(srv.url, "/v1/models")
+        assert code == 200 and [m["id"] for m in body["data"]] == ["tiny"]
+        assert body["data"][0]["max_model_len"] == 128
+    code, st = _get(always_route.url, "/v1/vskipper/stats")
+    assert code == 200 and st["arm"] == "always-route" and st["skipper_bound"]
+    assert st["skipper"]["class"] == "RandomSkip" and st["skipper"]["routed_layers"] == [2, 3]
+    assert st["cb_config"]["allow_block_sharing"] is False and st["cb_config"]["use_async_batching"] is False
+    code, st = _get(upstream.url, "/v1/vskipper/stats")
+    assert st["arm"] == "upstream" and not st["skipper_bound"] and "project_only_share" not in st
+    assert set(ARMS) >= {"upstream", "hybrid", "always-route"}
+
+
+@pytest.mark.parametrize("arm, kind", [("upstream", "dense"), ("always_route", "routed"), ("hybrid_all", "routed")])
+def test_greedy_matches_generate_greedy(request, refs, tok, arm, kind):
+    srv = request.getfixturevalue(arm)
+    text_ids = [tok(p)["input_ids"] for p in TEXT_PROMPTS]
+    prompts = text_ids + ID_PROMPTS
+    rids = [f"{arm}-p{i}" for i in range(len(prompts))]
+    want = refs(kind, prompts, rids)
+    if kind == "routed":  # the arm and the request id matter, so equality below is a real check
+        assert want != refs("dense", prompts, rids)
+        assert want != refs(kind, prompts, [r + "x" for r in rids])
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": NEW, "temperature": 0} for p in TEXT_PROMPTS]
+    bodies += [{"prompt": p, "max_tokens": NEW} for p in ID_PROMPTS[:2]]
+    bodies += [{"prompt": [ID_PROMPTS[2]], "max_tokens": NEW}]  # a list holding one token-id prompt
+    for body, rid, ids, exp in zip(bodies, rids, prompts, want):
+        code, out = _json(srv.url, {**body, "request_id": rid})
+        assert code == 200, out
+        ch = out["choices"][0]
+        assert ch["token_ids"] == exp, (rid, ch["token_ids"], exp)
+        assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(exp),
+                                "total_tokens": len(ids) + len(exp)}
+        assert ch["finish_reason"] == ("stop" if len(exp) < NEW else "length")
+        assert ch["text"] == tok.decode(exp, skip_special_tokens=True) or not isinstance(body["prompt"], str)
+        assert ch["vskipper"]["request_id"] == rid
+        if arm == "hybrid_all":  # the switch recorded this request's modes: routed prefill and decode
+            assert ch["vskipper"]["prefill_routed"]
+            assert ch["vskipper"]["decode_routed_from"] == (len(ids) if len(exp) > 1 else None)
+    if arm == "hybrid_all":
+        st = _get(srv.url, "/v1/vskipper/stats")[1]
+        assert st["mode_switch"]["rows"]["decode"]["routed"] > 0 and st["mode_switch"]["rows"]["decode"]["dense"] == 0
+        assert 0 < st["project_only_share"]["all"] < 1
+        assert st["counters"]["decode_routed_requests"] >= len(prompts)
+
+
+def test_several_prompts_in_one_request(always_route, refs):
+    code, out = _json(always_route.url, {"prompt": ID_PROMPTS, "max_tokens": 6, "request_id": "multi",
+                                         "ignore_eos": True})
+    assert code == 200 and [c["index"] for c in out["choices"]] == [0, 1, 2]
+    want = refs("routed", ID_PROMPTS, [f"multi-{i}" for i in range(3)], new=6, natural=False)
+    assert [c["token_ids"] for c in out["choices"]] == want
+    assert out["usage"]["completion_tokens"] == 18
+
+
+def test_streaming_one_chunk_per_token_then_usage(always_route):
+    body = {"prompt": TEXT_PROMPTS[0], "max_tokens": NEW, "ignore_eos": True, "request_id": "s0"}
+    code, full = _json(always_route.url, body)
+    assert code == 200
+    code, text = _post(always_route.url, {**body, "stream": True})
+    assert code == 200
+    events = _sse(text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    token_chunks, usage = chunks[:-1], chunks[-1]
+    assert len(token_chunks) == NEW
+    assert [c["choices"][0]["token_ids"] for c in token_chunks] == [[t] for t in full["choices"][0]["token_ids"]]
+    assert "".join(c["choices"][0]["text"] for c in token_chunks) == full["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in token_chunks] == [None] * (NEW - 1) + ["length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == NEW
+    assert usage["usage"]["prompt_tokens"] == full["usage"]["prompt_tokens"]
+
+
+def test_ignore_eos_gives_exactly_max_tokens(upstream):
+    body = {"prompt": ID_PROMPTS[0], "max_tokens": 12, "request_id": "e0"}
+    code, out = _json(upstream.url, {**body, "ignore_eos": True})
+    ids = out["choices"][0]["token_ids"]
+    assert code == 200 and len(ids) == 12 and out["usage"]["completion_tokens"] == 12
+    # make the third generated token this request's EOS: the natural lane stops there ...
+    eos = ids[2]
+    first = ids.index(eos)
+    gen = json.dumps({"eos_token_id": eos})
+    code, nat = _json(upstream.url, {**body, "generation_config": gen})
+    assert nat["choices"][0]["token_ids"] == ids[: first + 1] and nat["choices"][0]["finish_reason"] == "stop"
+    assert nat["usage"]["completion_tokens"] == first + 1  # the EOS counts
+    # ... and ignore_eos (field, or generation_config eos_token_id=-1 as HTTPCompletionsArm sends) does not
+    gen_off = json.dumps({"eos_token_id": -1, "max_new_tokens": 12})  # max_tokens absent: taken from here
+    for b in ({**body, "ignore_eos": True},
+              {"prompt": ID_PROMPTS[0], "request_id": "e0", "generation_config": gen_off}):
+        code, out2 = _json(upstream.url, b)
+        assert code == 200 and out2["choices"][0]["token_ids"] == ids, b
+        assert out2["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings_cut_text_and_free_the_request_id(upstream):
+    base = {"prompt": TEXT_PROMPTS[1], "max_tokens": 24, "ignore_eos": True, "request_id": "stop0"}
+    full = _json(upstream.url, base)[1]["choices"][0]
+    text = full["text"]
+    visible = [i for i, c in enumerate(text) if c.isprintable() and c != "\ufffd"]
+    assert len(visible) >= 6, text
+    stop = text[visible[3]: visible[3] + 2]
+    cut = text[: text.find(stop)]
+    code, out = _json(upstream.url, {**base, "stop": [stop, "\x00never"]})
+    ch = out["choices"][0]
+    assert code == 200 and ch["text"] == cut and ch["finish_reason"] == "stop"
+    assert 1 <= out["usage"]["completion_tokens"] < 24
+    assert ch["token_ids"] == full["token_ids"][: len(ch["token_ids"])]
+    # streamed: the same text, the stop string never sent
+    code, raw = _post(upstream.url, {**base, "stop": stop, "stream": True})
+    chunks = [json.loads(e) for e in _sse(raw)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == cut
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    # the cancelled request's id is released for reuse (the server waits for the engine to drop it)
+    code, again = _json(upstream.url, base)
+    assert code == 200 and again["choices"][0]["token_ids"] == full["token_ids"]
+
+
+def test_top_logprobs(always_route, refs, tok):
+    ids = tok(TEXT_PROMPTS[2])["input_ids"]
+    code, out = _json(always_route.url, {"prompt": TEXT_PROMPTS[2], "max_tokens": 6, "ignore_eos": True,
+                                         "logprobs": 3, "request_id": "lp0"})
+    assert code == 200
+    ch = out["choices"][0]
+    lp = ch["logprobs"]
+    assert len(lp["token_logprobs"]) == len(lp["top_logprob_ids"]) == len(lp["tokens"]) == 6
+    for tid, chosen, top in zip(ch["token_ids"], lp["token_logprobs"], lp["top_logprob_ids"]):
+        assert len(top) == 3 and top[0][0] == tid and abs(top[0][1] - chosen) < 1e-6  # greedy: top-1
+        assert top[0][1] >= top[1][1] >= top[2][1]
+    want_ids, want_lp = refs("routed", [ids], ["lp0"], new=6, natural=False, return_logprobs=True)
+    assert want_ids[0] == ch["token_ids"]
+    assert max(abs(a - b) for a, b in zip(want_lp[0], lp["token_logprobs"])) < 1e-4
+    code, err = _json(always_route.url, {"prompt": "x", "logprobs": 6})
+    assert code == 400 and "max_logprobs" in err["error"]["message"]
+
+
+def test_concurrent_requests_batch_and_match_solo(always_route, refs):
+    prompts = ID_PROMPTS + [[7, 8, 9, 10, 11, 12, 13]]
+    rids = [f"c{i}" for i in range(len(prompts))]
+    solo = [_json(always_route.url, {"prompt": p, "max_tokens": NEW, "ignore_eos": True, "request_id": r})[1]
+            for p, r in zip(prompts, rids)]
+    assert [s["choices"][0]["token_ids"] for s in solo] == refs("routed", prompts, rids, natural=False)
+    batches_before = _get(always_route.url, "/v1/vskipper/stats")[1]["batches"]
+    results = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+
+    def worker(i):  # even: non-streaming, odd: streaming
+        body = {"prompt": prompts[i], "max_tokens": NEW, "ignore_eos": True, "request_id": rids[i],
+                "stream": i % 2 == 1}
+        barrier.wait()
+        code, text = _post(always_route.url, body)
+        if body["stream"]:
+            chunks = [json.loads(e) for e in _sse(text)[:-1]]
+            results[i] = code, [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
+        else:
+            results[i] = code, json.loads(text)["choices"][0]["token_ids"]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for res, s in zip(results, solo):
+        assert res is not None and res[0] == 200
+        assert res[1] == s["choices"][0]["token_ids"]
+    batches = _get(always_route.url, "/v1/vskipper/stats")[1]["batches"] - batches_before
+    solo_batches = sum(-(-len(p) // CB["max_batch_tokens"]) + NEW - 1 for p in prompts)
+    assert batches < solo_batches  # requests shared batches
+
+
+BAD = [
+    ({"prompt": 3}, 400, "prompt"),
+    ({"prompt": {"a": 1}}, 400, "prompt"),
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": []}, 400, "empty"),
+    ({"prompt": [[]]}, 400, "empty"),
+    ({"prompt": [1, "a"]}, 400, "mixes"),
+    ({"prompt": [1, True]}, 400, "prompt"),
+    ({"prompt": [1, 10 ** 9]}, 400, "token ids"),
+    ({"prompt": [1, -1]}, 400, "token ids"),
+    ({"max_tokens": 4}, 400, "required"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "not served"),
+    ({"prompt": "hi", "max_tokens": -3}, 400, ">= 1"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, ">= 1"),
+    ({"prompt": "hi", "max_tokens": "5"}, 400, "integer"),
+    ({"prompt": "hi", "max_tokens": 2.5}, 400, "integer"),
+    ({"prompt": list(range(1, 120)), "max_tokens": 16}, 400, "context length"),
+    ({"prompt": "hi", "temperature": 0.7}, 400, "greedy"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "n": 2}, 400, "'n'"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"prompt": ["a", "b"], "stream": True}, 400, "exactly one"),
+    ({"prompt": "hi", "stop": 5}, 400, "stop"),
+    ({"prompt": "hi", "ignore_eos": "true"}, 400, "ignore_eos"),
+    ({"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    ({"prompt": "hi", "generation_config": "{not json"}, 400, "generation_config"),
+    ({"prompt": "hi", "generation_config": json.dumps({"do_sample": True})}, 400, "sampling"),
+    ({"prompt": "hi", "request_id": 7}, 400, "request_id"),
+    ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+]
+
+
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(upstream):
+    for body, status, words in BAD:
+        code, out = _json(upstream.url, body)
+        assert code == status, (body, out)
+        assert words in out["error"]["message"], (body, out)
+        assert out["error"]["code"] == status
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
+        code, text = _post(upstream.url, None, raw=raw)
+        assert code == 400 and "error" in json.loads(text), raw
+    assert _post(upstream.url, {"prompt": "hi"}, path="/v1/chat/completions")[0] == 404
+    assert _get(upstream.url, "/nope")[0] == 404
+    assert _get(upstream.url, "/v1/completions")[0] == 405
+    assert _post(upstream.url, {}, path="/health")[0] == 405
+    # a client that goes away mid-stream: its request is cancelled, the server goes on
+    conn = http.client.HTTPConnection(upstream.host, upstream.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": [5, 6], "max_tokens": 100, "stream": True,
+                                                        "ignore_eos": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.close()
+    code, out = _json(upstream.url, {"prompt": "Question: how many", "max_tokens": 3, "model": "tiny"})
+    assert code == 200 and out["usage"]["completion_tokens"] >= 1
+    assert _get(upstream.url, "/health")[0] == 200
+
+
+def test_http_completions_arm_drives_the_server(always_route, tok):
+    from impl.serving.arms import HTTPCompletionsArm
+
+    detok = lambda ids: tok.decode(ids)  # noqa: E731
+    for via in ("field", "generation_config"):
+        arm = HTTPCompletionsArm(always_route.url, "tiny", detokenize=detok, ignore_eos_via=via, name=f"http-{via}")
+        arm.start()
+        ids = {f"{via}-{i}": tok(p)["input_ids"] for i, p in enumerate(TEXT_PROMPTS)}
+        for rid, p in ids.items():
+            arm.submit(rid, p, 8, ignore_eos=True)
+        traces = arm.wait(list(ids), timeout_s=60)
+        arm.stop()
+        for rid, tr in traces.items():
+            assert tr.error is None, tr.error
+            assert tr.output_tokens == 8 and tr.finish_reason == "length"
+            assert tr.prompt_tokens == len(ids[rid])
+            assert 1 <= len(tr.token_times) <= 8
+            assert all(a <= b for a, b in zip(tr.token_times, tr.token_times[1:]))
+            assert tr.finish_time >= tr.token_times[-1]
+            # the server used the arm's X-Request-ID as the engine request id (routes hash it)
+            want = _json(always_route.url, {"prompt": detok(ids[rid]), "max_tokens": 8, "ignore_eos": True,
+                                            "request_id": rid})[1]["choices"][0]["text"]
+            assert tr.output_text == want
+
+
+def test_lm_eval_local_completions_generate_until(upstream, model_dir):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(base_url=f"{upstream.url}/v1/completions", model="tiny", tokenizer_backend="huggingface",
+                             tokenizer=str(model_dir), tokenized_requests=False, max_gen_toks=8, max_retries=1)
+    ctx = ["Question: how many apples?", "def f(x):"]
+    reqs = [Instance(request_type="generate_until", doc={}, idx=i,
+                     arguments=(c, {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False}))
+            for i, c in enumerate(ctx)]
+    out = lm.generate_until(reqs, disable_tqdm=True)
+    assert len(out) == 2 and all(isinstance(o, str) for o in out)
+    for c, o in zip(ctx, out):
+        direct = _json(upstream.url, {"prompt": c, "max_tokens": 8, "stop": ["\n\n", tok_eos(model_dir)]})[1]
+        assert o == direct["choices"][0]["text"]
+
+
+def tok_eos(model_dir):
+    return load_tokenizer(model_dir).eos_token
+
+
+def test_parse_skipper_spec(model_dir, tmp_path):
+    from impl.vskipper import FlexiDepthSkipper, StaticDepthSkipper
+
+    model = load_model(model_dir)
+    sk = parse_skipper_spec("randomskip:r=0.5,d=0.5", model)
+    assert isinstance(sk, RandomSkip) and sk.routed_layers == (2, 3) and sk.r == 0.5 and sk.seed == 0
+    sk = parse_skipper_spec("random:r=1,d=1,seed=4,layers=0+2-3,layer_choice=fixed", model)
+    assert sk.routed_layers == (0, 2, 3) and sk.layer_choice == "fixed" and sk.seed == 4
+    assert isinstance(parse_skipper_spec("static:n_run=1,layers=1-3", model), StaticDepthSkipper)
+    assert parse_layers("6-8+1", 12) == [1, 6, 7, 8]
+    for bad in ("randomskip:r=0.5", "randomskip:r=0.5,d=0.5,zz=1", "randomskip:r=0.5,d=0.5,layers=3-9", "",
+                "nosuch:x=1", "randomskip:r"):
+        with pytest.raises(ValueError):
+            parse_skipper_spec(bad, model)
+    ck = FlexiDepthSkipper.for_model(model, [2, 3]).save(tmp_path / "ck", extra={"num_hidden_layers": 4})
+    for spec in (f"flexidepth:{ck}", f"flexidepth:checkpoint={ck}", str(ck)):
+        fd = parse_skipper_spec(spec, model)
+        assert isinstance(fd, FlexiDepthSkipper) and fd.routed_layers == (2, 3)
+    with pytest.raises(FileNotFoundError):
+        parse_skipper_spec(f"flexidepth:{tmp_path / 'missing'}", model)
+    with pytest.raises(ValueError):
+        serve(model_dir, "sideways", SPEC, block=False)
+    with pytest.raises(ValueError, match="needs a skipper"):
+        serve(model_dir, "always-route", None, block=False)
+
+
+def test_cli_prints_port_and_stops_on_sigterm(model_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "impl.vskipper.server", "--model", str(model_dir), "--arm",
+                             "hybrid", "--skipper", SPEC, "--port", "0", "--threads", "1", "--cb", "num_blocks=64",
+                             "--cb", "page_size=16", "--switch", '{"enter_threshold": 2}'],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        info = json.loads(line)
+        assert info["arm"] == "hybrid" and info["port"] > 0 and info["model"] == model_dir.name
+        url = info["listening"]
+        assert _get(url, "/health")[0] == 200
+        code, out = _json(url, {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "model": str(model_dir)})
+        assert code == 200 and out["usage"]["completion_tokens"] == 4
+        assert _get(url, "/v1/vskipper/stats")[1]["switch"]["enter_threshold"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_close_lets_in_flight_requests_finish(model_dir):
+    srv = _start(model_dir, "upstream", spec=None)
+    inner = srv.engine.model.model
+    forward = inner.forward
+
+    def slow_forward(*args, **kwargs):  # ~0.5 s for the request below: it is in flight when close() starts
+        threading.Event().wait(0.005)
+        return forward(*args, **kwargs)
+
+    inner.forward = slow_forward
+    got = {}
+
+    def client():
+        got["res"] = _post(srv.url, {"prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True, "stream": True})
+
+    t = threading.Thread(target=client)
+    t.start()
+    while srv.engine.counters["requests"] == 0:  # the request reached the engine
+        threading.Event().wait(0.005)
+    assert srv.engine.describe()["in_flight"] == 1
+    srv.close(grace_s=30)
+    t.join(30)
+    code, text = got["res"]
+    events = _sse(text)
+    assert code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 100
+    assert not srv.engine.healthy and srv.engine.error is None
+    with pytest.raises(OSError):
+        urllib.request.urlopen(srv.url + "/health", timeout=5)

@@ -43,7 +43,8 @@ if DEX:
             cfg=EFFECTIVE_CONFIG,
             adapters=lambda w, input: f"--adapters {input.adapters}" if "adapters" in input.keys() else "",
             sig=lambda w: sig("seed", "threads", "device", "dtype",
-                              dex={k: v for k, v in DEX.items() if k not in ("models", "workloads", "adapters")}),
+                              dex={k: v for k, v in DEX.items()
+                                   if k not in ("models", "workloads", "adapters", "distributed")}),
         threads: CFG["threads"]
         log:
             f"{LOGS}/dex/{{variant}}/{{suite}}.log",

@@ -172,13 +172,42 @@ if VSK:
                 "--knee {input.knee} --shared-thresholds {input.shared} --random-thresholds {input.random} "
                 "--prompts {input.prompts} --workload {wildcards.suite} --out {output} 2> {log}"
 
-    # ---- HOOK: quality (Sec. 4.3, Table 5: the lm-eval 2x2 DiD of base / checkpoint x native / served) ----
-    # Built separately in impl/quality/ (not wired here yet). When VSK.get("quality") is set, a rule
-    # `vskipper_quality` should take the base model (VSK_MODEL_DIR), the skipper (VSK_CKPT), the knee JSON
-    # of each task it serves under load (f"{VSK_DIR}/knee/{{suite}}.json"), write
-    # f"{VSK_DIR}/quality/{{task}}.jsonl", and add those files to VSK_REPORT_INPUTS plus its own report section
-    # (REPORT_SECTIONS.append("impl.quality.<module>:<tables dir>")). Settings: VSK["quality"] (tasks, limit).
-    VSK_QUALITY = []
+    # ---- quality (Sec. 4.3, Table 5 left: the lm-eval 2x2 DiD of base / checkpoint x native / served) ----
+    # One job per suite of vskipper.quality.tasks: A base (lm-eval HF backend), B checkpoint (plain PyTorch),
+    # C base on the unmodified engine, D checkpoint served always-route, same documents and token ids.
+    # Table 5 right (the served hybrid at the knee) is not implemented, so no knee JSON is consumed.
+    VSK_Q = VSK.get("quality")
+    VSK_QUALITY = expand(f"{VSK_DIR}/quality/{{qsuite}}.jsonl", qsuite=VSK_Q["tasks"]) if VSK_Q else []
+    if VSK_QUALITY:
+
+        wildcard_constraints:
+            qsuite="|".join(map(re.escape, VSK_Q["tasks"])),
+
+        rule vskipper_quality:
+            conda:
+                "../env.yaml"
+            input:
+                model=VSK_MODEL_DIR,
+                ckpt=VSK_CKPT,
+            output:
+                rows=f"{VSK_DIR}/quality/{{qsuite}}.jsonl",
+                summary=f"{VSK_DIR}/quality/{{qsuite}}.json",
+                work=directory(f"{VSK_DIR}/quality/{{qsuite}}_run"),
+            params:
+                cfg=EFFECTIVE_CONFIG,
+                sig=sig("data_dir", "seed", "threads", "device", "dtype",
+                        vsk={"model": VSK_MODEL, "engine": VSK["engine"], "quality": VSK_Q}),
+            threads: CFG["threads"]
+            log:
+                f"{LOGS}/vskipper/quality_{{qsuite}}.log",
+            resources:
+                mem_mb=8000,
+                runtime=120,
+            shell:
+                "python -m impl quality-cell --config-json @{params.cfg} --quiet --model-dir {input.model} "
+                "--flexidepth {input.ckpt} --suite {wildcards.qsuite} --work-dir {output.work} "
+                "--out {output.rows} --summary {output.summary} 2> {log}"
+
     # ---- end of HOOK ----
 
     rule vskipper_tables:
@@ -191,19 +220,22 @@ if VSK:
             cells=VSK_CELLS,
             ablation=VSK_ABLATION,
             randomskip=VSK_MAP,
+            quality=VSK_QUALITY,
         output:
             expand(f"{VSK_TABLES}/{{name}}.{{ext}}", name=[
                 "vskipper_flexidepth", "vskipper_thresholds", "vskipper_knee", "vskipper_knee_summary",
                 "vskipper_cells", "vskipper_table2", "vskipper_table4", "vskipper_ablation", "vskipper_randomskip",
-                "vskipper_modes", "vskipper_gate"], ext=["csv", "md"]),
+                "vskipper_modes", "vskipper_gate"] + (["vskipper_table5", "vskipper_first_token"] if VSK_QUALITY else []),
+                ext=["csv", "md"]),
         params:
             out=lambda w, output: os.path.dirname(output[0]),
+            quality=lambda w, input: ("--quality " + " ".join(input.quality)) if VSK_QUALITY else "",
         log:
             f"{LOGS}/vskipper/tables.log",
         shell:
             "python -m impl vskipper-tables --knee {input.knee} --thresholds {input.thresholds} "
             "--flexidepth {input.flexidepth} --cells {input.cells} --ablation {input.ablation} "
-            "--randomskip {input.randomskip} --out-dir {params.out} 2> {log}"
+            "--randomskip {input.randomskip} {params.quality} --out-dir {params.out} 2> {log}"
 
     rule vskipper_figures:
         conda:

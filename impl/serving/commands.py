@@ -25,7 +25,13 @@ Pipeline (one rule per command in ``workflows/vskipper.smk``):
 5. ``randomskip-map``: Fig. 3: the r x d RandomSkip grid at one load point, each policy under
    always-route, FlexiDepth's (shared) thresholds and its own rule-derived thresholds, against
    upstream on the same schedules and replayed lengths.
-6. ``vskipper-tables`` / ``vskipper-figures``: tables and figures from the raw rows
+6. ``quality-cell``: the quality 2x2 of one suite (Sec. 4.3, Table 5 left; :func:`impl.quality.run_quality`):
+   A = base model (lm-eval HF backend), B = the FlexiDepth checkpoint in plain PyTorch, C = base model
+   on the unmodified engine, D = the checkpoint served always-route, on the same documents and token
+   ids -> JSONL rows (documents, summaries with the DiD, first-token agreement) and a summary JSON.
+   Arms that fed different prompt token ids (the gate) become one ``kind: "rejected"`` row instead of
+   failing the DAG. (Table 5 right, the served hybrid at the knee vs always-route, is not implemented.)
+7. ``vskipper-tables`` / ``vskipper-figures``: tables and figures from the raw rows
    (:mod:`impl.serving.report`).
 """
 
@@ -39,7 +45,7 @@ from pathlib import Path
 
 log = logging.getLogger("impl.serving")
 
-__all__ = ["register", "cb_config_for", "knee_outcome", "build_served_arms"]
+__all__ = ["register", "cb_config_for", "knee_outcome", "build_served_arms", "quality_options", "quality_cb_config"]
 
 #: name of the served hybrid arm and of the baseline arm in every row
 SERVED, UPSTREAM = "vskipper", "upstream"
@@ -461,6 +467,95 @@ def cmd_randomskip_map(args) -> None:
     log.info("RandomSkip map: %d rows -> %s", len(rows), args.out)
 
 
+# ------------------------------------------------------------------------------------------- quality
+def quality_options(q: dict, cache_dir=None):
+    """:class:`impl.quality.tasks.TaskOptions` from the (validated) ``vskipper.quality`` mapping."""
+    from impl.quality.tasks import TaskOptions
+
+    g = q["max_gen_toks"]
+    return TaskOptions(gsm8k_num_fewshot=int(q["gsm8k_num_fewshot"]), gsm8k_max_gen_toks=int(g["gsm8k"]),
+                       bbh_subtasks=tuple(q["bbh_subtasks"]), bbh_max_gen_toks=int(g["bbh"]),
+                       coqa_max_gen_toks=int(g["coqa"]), datasets_cache_dir=None if cache_dir is None else str(cache_dir))
+
+
+def quality_cb_config(engine: dict, max_length: int, n_docs: int | None):
+    """Engine configuration of the served quality arms C and D (the same for both): ``vskipper.engine``'s
+    sizes; ``num_blocks: null`` sizes the paged cache for ``min(n_docs, max_requests_per_batch)``
+    requests of ``max_length`` tokens at once (+4 pages), so no request is evicted mid-generation."""
+    from impl.vskipper.engine import routed_cb_config
+
+    page = int(engine["page_size"])
+    conc = int(engine["max_requests_per_batch"])
+    if n_docs:
+        conc = min(conc, int(n_docs))
+    blocks = engine.get("num_blocks") or conc * math.ceil((int(max_length) + 1) / page) + 4
+    return routed_cb_config(page_size=page, num_blocks=int(blocks), max_batch_tokens=int(engine["max_batch_tokens"]),
+                            max_requests_per_batch=int(engine["max_requests_per_batch"]))
+
+
+def cmd_quality_cell(args) -> None:
+    """The quality 2x2 (A/B/C/D) of one suite with the FlexiDepth checkpoint -> JSONL rows + summary JSON."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from impl.models.load import load_tokenizer
+    from impl.provenance import write_json, write_jsonl
+    from impl.quality.arms import default_max_length
+    from impl.quality.did import PromptMismatchError
+    from impl.quality.run import run_quality
+
+    cfg = _cfg_threads(args)
+    v = _vsk(cfg)
+    q = v.get("quality")
+    if not q:
+        raise SystemExit("error: the config has no 'vskipper.quality' section")
+    suite = args.suite
+    if suite not in q["tasks"]:
+        raise SystemExit(f"error: suite {suite!r} is not in vskipper.quality.tasks ({', '.join(q['tasks'])})")
+    model = _load_model(cfg, args.model_dir)
+    skipper = _load_skipper(args.flexidepth, model)  # checked against the base model's shapes
+    del model
+    tok = load_tokenizer(args.model_dir)
+    max_length = default_max_length(AutoConfig.from_pretrained(args.model_dir, local_files_only=True), tok)
+    n_tasks = len(q["bbh_subtasks"]) if suite == "bbh" else 1
+    cb = quality_cb_config(v["engine"], max_length, None if q["limit"] is None else q["limit"] * n_tasks)
+    base = {"experiment": "quality", "model": v["model"], "policy": "flexidepth", "checkpoint": str(args.flexidepth)}
+    run_cfg = {**cfg, "quality_suite": suite}
+    work = Path(args.work_dir)
+    if work.exists():
+        shutil.rmtree(work)
+    rows: list[dict]
+    with tempfile.TemporaryDirectory(prefix="vsk_quality_hf_") as cache:
+        try:
+            res = run_quality(args.model_dir, skipper, cfg["data_dir"], (suite,), q["limit"], work,
+                              options=quality_options(q, cache), device=cfg["device"], dtype=cfg["dtype"],
+                              max_length=max_length, cb_config=cb, first_token_docs=int(q["first_token_docs"]),
+                              tol=float(q["tol"]), seed=int(cfg["seed"]), config=run_cfg)
+        except PromptMismatchError as e:
+            log.error("quality %s rejected by the prompt-hash gate: %s", suite, e)
+            prov = _prov(run_cfg)
+            rows = [{"kind": "rejected", "suite": suite, **base, "reason": "prompt-hash gate",
+                     "error": f"{type(e).__name__}: {e}", **prov}]
+            write_jsonl(args.out, rows)
+            write_json(args.summary, {"suite": suite, **base, "gate": "FAIL", "error": str(e), "summary": [],
+                                      "first_token": [], "provenance": prov})
+            return
+    rows = [{**r, **base} for r in res.rows]
+    summary = json.loads((work / "summary.json").read_text(encoding="utf-8"))
+    summary.pop("config", None)  # the whole config is hashed into every row's provenance
+    summary.update(suite=suite, gate="PASS", **base, limit=q["limit"], options=quality_options(q).to_dict(),
+                   max_length=max_length)
+    write_jsonl(args.out, rows)
+    write_json(args.summary, summary)
+    prim = [r for r in res.summary if r.get("primary") and r.get("task") is None]
+    for r in prim:
+        log.info("quality %s %s: A %.1f B %.1f C %.1f D %.1f, DiD %+.2f [%+.2f, %+.2f] pp (n=%d); wall %s", suite,
+                 r["metric"], r["mean_A"], r["mean_B"], r["mean_C"], r["mean_D"], r["did_mean"], r["did_ci_low"],
+                 r["did_ci_high"], r["n"], {a: round(t, 1) for a, t in res.wall_s.items()})
+
+
 # --------------------------------------------------------------------------------- tables / figures
 def cmd_vskipper_tables(args) -> None:
     """vSkipper tables (knee, Tables 2-4 shapes, ablation, RandomSkip map, thresholds, FlexiDepth)."""
@@ -469,7 +564,8 @@ def cmd_vskipper_tables(args) -> None:
     from .report import vskipper_tables
 
     tabs = vskipper_tables(knees=args.knee, thresholds=args.thresholds, flexidepth=args.flexidepth,
-                           cells=args.cells, ablations=args.ablation, randomskip=args.randomskip)
+                           cells=args.cells, ablations=args.ablation, randomskip=args.randomskip,
+                           quality=args.quality)
     for name, df in tabs.items():
         write_table(df, Path(args.out_dir) / name)
     log.info("vSkipper tables -> %s", args.out_dir)
@@ -486,7 +582,7 @@ def cmd_vskipper_figures(args) -> None:
 def register(add) -> None:
     """Register the vSkipper serving commands (``add(name, fn, help)`` returns an argparse subparser
     that already takes ``--config`` / ``--config-json`` / ``--quiet``)."""
-    from .schema import ABLATION_ARMS
+    from .schema import ABLATION_ARMS, QUALITY_TASKS
 
     sp = add("train-flexidepth", cmd_train_flexidepth,
              "train a FlexiDepth-style skipper (stage 1: routers + adapters, frozen model) on ShareGPT tokens")
@@ -537,6 +633,16 @@ def register(add) -> None:
     sp.add_argument("--workload", required=True)
     sp.add_argument("--out", required=True, help="JSONL to write")
 
+    sp = add("quality-cell", cmd_quality_cell,
+             "quality 2x2 of one suite (Table 5 left): base / FlexiDepth checkpoint x in process / served always-route")
+    sp.add_argument("--model-dir", required=True, help="the base model (vskipper.model)")
+    sp.add_argument("--flexidepth", required=True, help="FlexiDepth checkpoint directory (arms B and D)")
+    sp.add_argument("--suite", required=True, choices=list(QUALITY_TASKS), help="a suite of vskipper.quality.tasks")
+    sp.add_argument("--work-dir", required=True,
+                    help="run directory (replaced): generated task YAMLs, lm-eval aggregates per arm")
+    sp.add_argument("--out", required=True, help="JSONL rows to write (doc / summary / first_token)")
+    sp.add_argument("--summary", required=True, help="summary JSON to write")
+
     sp = add("vskipper-tables", cmd_vskipper_tables,
              "vSkipper tables from the raw rows (Tables 2-4, ablation, Fig. 3 data)")
     sp.add_argument("--knee", nargs="*", default=[], help="knee JSON files")
@@ -545,6 +651,8 @@ def register(add) -> None:
     sp.add_argument("--cells", nargs="*", default=[], help="serve-cell JSONL files (main cells)")
     sp.add_argument("--ablation", nargs="*", default=[], help="serve-cell JSONL files (ablation)")
     sp.add_argument("--randomskip", nargs="*", default=[], help="randomskip-map JSONL files")
+    sp.add_argument("--quality", nargs="*", default=None,
+                    help="quality-cell JSONL files (given, even empty: also write vskipper_table5 / _first_token)")
     sp.add_argument("--out-dir", required=True)
 
     sp = add("vskipper-figures", cmd_vskipper_figures, "vSkipper figures (Fig. 3 map, knee sweeps) from the tables")

@@ -23,7 +23,16 @@ Tables (``<name>.csv`` and ``<name>.md``):
 - ``vskipper_modes``: share of prefill / decode rows each routed arm served in routed mode, promotions
   and probes (mean over repetitions);
 - ``vskipper_gate``: per measured lane, whether it passed the matched-work gate (or was rejected /
-  skipped) and why.
+  skipped) and why;
+- ``vskipper_table5`` (when the quality rule ran): Table 5 (left) shape: per suite, metric (and BBH
+  subtask), the arm means A/B/C/D in percentage points, B - A and D - C (paired), the DiD
+  ``(D - C) - (B - A)`` with its t-based 95% interval (per document), n documents, token-identity
+  counts between arms and the prompt-hash gate verdict (PASS, or FAIL with the gate's message);
+- ``vskipper_first_token`` (when the quality rule ran): App. E.1 / Table 9 shape: per agreement
+  document and arm pair (B/C/D vs A, D vs B), the largest top-5 first-token log-probability
+  difference in nats, argmax agreement and ``agree`` (within ``tol``).
+
+Not implemented: Table 5 (right), the served hybrid at the knee vs always-route.
 """
 
 from __future__ import annotations
@@ -52,6 +61,9 @@ __all__ = [
     "randomskip_table",
     "modes_table",
     "gate_table",
+    "quality_table5",
+    "first_token_table",
+    "quality_section_lines",
     "vskipper_tables",
     "vskipper_figures",
     "report_section",
@@ -60,6 +72,7 @@ __all__ = [
 TABLE_NAMES = ("vskipper_flexidepth", "vskipper_thresholds", "vskipper_knee", "vskipper_knee_summary",
                "vskipper_cells", "vskipper_table2", "vskipper_table4", "vskipper_ablation", "vskipper_randomskip",
                "vskipper_modes", "vskipper_gate")
+QUALITY_TABLE_NAMES = ("vskipper_table5", "vskipper_first_token")
 FIGURE_NAMES = ("vskipper_fig3", "vskipper_knee")
 #: metric -> column label of the Table 2 shape
 TABLE2_METRICS = {"e2e_mean_s": "E2E mean", "e2e_p99_s": "E2E p99", "ttft_mean_s": "TTFT mean",
@@ -348,19 +361,83 @@ def gate_table(rows: list[dict]) -> pd.DataFrame:
     return _frame(recs, cols)
 
 
+TABLE5_COLS = ["suite", "task", "metric", "primary", "n", "mean_A", "mean_B", "mean_C", "mean_D", "B_minus_A",
+               "D_minus_C", "did_mean", "did_ci_low", "did_ci_high", "did_resolved", "did", "tokens_equal_AB",
+               "tokens_equal_AC", "tokens_equal_BD", "tokens_equal_all", "gate", "message"]
+FIRST_TOKEN_COLS = ["suite", "task", "doc_id", "arm", "reference", "k", "max_abs_diff", "tol", "argmax_equal",
+                    "top_ids_equal", "agree"]
+
+
+def _pp(mean, low, high, n) -> str:
+    """``"+0.45 [-0.10, +1.00]"`` (pp, two decimals), ``"+0.45 (n=1)"`` without an interval."""
+    mean, low, high = _num(mean), _num(low), _num(high)
+    if not math.isfinite(mean):
+        return "-"
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return f"{mean:+.2f} (n={n})"
+    return f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+
+def quality_table5(rows: list[dict]) -> pd.DataFrame:
+    """Table 5 (left) shape from quality-cell rows: one row per ``kind: "summary"`` row (suite, metric,
+    BBH subtask; ``task`` = ``all`` for the suite level, primary metric first) and one ``FAIL`` row per
+    suite the prompt-hash gate rejected. Means and differences are in percentage points; ``did`` is the
+    DiD's text with its 95% interval (``*`` = resolved: the interval excludes 0)."""
+    recs = []
+    for r in rows:
+        kind = r.get("kind")
+        if kind == "summary":
+            n = int(r["n"])
+            did = _pp(r.get("did_mean"), r.get("did_ci_low"), r.get("did_ci_high"), n)
+            if str(r.get("did_resolved")).lower() == "true":
+                did += " *"
+            recs.append({
+                "suite": r["suite"], "task": r.get("task") or "all", "metric": r["metric"],
+                "primary": bool(r.get("primary")), "n": n, **{f"mean_{a}": r.get(f"mean_{a}") for a in "ABCD"},
+                "B_minus_A": _pp(r.get("B_minus_A_mean"), r.get("B_minus_A_ci_low"), r.get("B_minus_A_ci_high"), n),
+                "D_minus_C": _pp(r.get("D_minus_C_mean"), r.get("D_minus_C_ci_low"), r.get("D_minus_C_ci_high"), n),
+                "did_mean": r.get("did_mean"), "did_ci_low": r.get("did_ci_low"), "did_ci_high": r.get("did_ci_high"),
+                "did_resolved": bool(r.get("did_resolved")), "did": did,
+                **{f"tokens_equal_{p}": r.get(f"tokens_equal_{p}") for p in ("AB", "AC", "BD", "all")},
+                "gate": "PASS" if r.get("prompt_hashes_equal") else "FAIL", "message": "",
+            })
+        elif kind == "rejected":
+            recs.append({"suite": r.get("suite"), "task": "all", "metric": "-", "primary": True, "gate": "FAIL",
+                         "message": str(r.get("error") or r.get("reason") or "")[:300]})
+    df = _frame(recs, TABLE5_COLS)
+    if len(df):
+        order = {s: i for i, s in enumerate(("gsm8k", "bbh", "coqa"))}
+        df = df.assign(_s=df.suite.map(lambda x: order.get(x, 9)), _t=(df.task != "all").astype(int),
+                       _p=(~df.primary.astype(bool)).astype(int))
+        df = df.sort_values(["_s", "_t", "task", "_p", "metric"], kind="stable").drop(columns=["_s", "_t", "_p"])
+    return df.reset_index(drop=True)
+
+
+def first_token_table(rows: list[dict]) -> pd.DataFrame:
+    """App. E.1 shape from quality-cell rows: every ``kind: "first_token"`` row (one per agreement
+    document and arm pair)."""
+    recs = [{c: r.get(c) for c in FIRST_TOKEN_COLS} for r in rows if r.get("kind") == "first_token"]
+    return _frame(recs, FIRST_TOKEN_COLS)
+
+
 def vskipper_tables(*, knees=(), thresholds=(), flexidepth=(), cells=(), ablations=(),
-                    randomskip=()) -> dict[str, pd.DataFrame]:
+                    randomskip=(), quality=None) -> dict[str, pd.DataFrame]:
     """Every vSkipper table from the raw files (paths): knee JSONs, profile-mode JSONs, FlexiDepth
-    training summaries, serve-cell JSONLs (main and ablation) and randomskip-map JSONLs.
+    training summaries, serve-cell JSONLs (main and ablation), randomskip-map JSONLs and, when
+    ``quality`` is not None, quality-cell JSONLs.
 
     Returns:
         ``{name: DataFrame}`` for every name of :data:`TABLE_NAMES` (empty frames with their columns
-        where an experiment did not run).
+        where an experiment did not run), plus :data:`QUALITY_TABLE_NAMES` when ``quality`` is given.
     """
     main, abl, rnd = _rows(cells), _rows(ablations), _rows(randomskip)
     long = summary_frame(main)
     rungs, ksum = knee_tables(_jsons(knees))
-    return {
+    extra = {}
+    if quality is not None:
+        qrows = _rows(quality)
+        extra = {"vskipper_table5": quality_table5(qrows), "vskipper_first_token": first_token_table(qrows)}
+    return {**extra,
         "vskipper_flexidepth": flexidepth_table(_jsons(flexidepth)),
         "vskipper_thresholds": thresholds_table(_jsons(thresholds)),
         "vskipper_knee": rungs,
@@ -495,6 +572,72 @@ RULE_TEXT = (
     "dense -> routed that never reverts.")
 
 
+def _true(col: pd.Series) -> pd.Series:
+    return col.astype(str).str.lower().eq("true")
+
+
+def quality_section_lines(tables_dir: str | Path, tol: float = 0.01) -> list[str]:
+    """Report lines of the quality 2x2 (Table 5 left, App. E.1) from ``vskipper_table5`` /
+    ``vskipper_first_token`` in ``tables_dir``; ``[]`` when the quality rule did not run. PASS/FAIL lines:
+    the prompt-hash gate (every suite's arms fed identical token ids) and first-token agreement of C vs A
+    (upstream engine vs lm-eval's HF backend on the base model: every top-5 log-probability within
+    ``tol`` nats and the same argmax); D vs B (the paper's served-vs-native check of the checkpoint) is
+    reported beside it."""
+    td = Path(tables_dir)
+    t5, ft = _read(td, "vskipper_table5"), _read(td, "vskipper_first_token")
+    if not (td / "vskipper_table5.csv").is_file():
+        return []
+    lines = ["### Task quality: the 2x2 difference-in-differences (Table 5 left shape; App. E.1)", "",
+             "Arms on the same documents and prompt token ids: **A** base model in lm-eval's HF backend, **B** the "
+             "FlexiDepth checkpoint in plain PyTorch (routed layers), **C** base model on the unmodified "
+             "continuous-batching engine, **D** the checkpoint on the same engine, always-route. Scores in "
+             "percentage points (GSM8K composite exact match, BBH exact match, CoQA F1); B - A is the checkpoint's "
+             "own cost, D - C what it costs when served; DiD = (D - C) - (B - A), per-document paired, mean with a "
+             "t-based 95% interval, `*` = resolved (interval excludes 0), n = documents. Tiny models score near "
+             "zero: the shape of the check is what is reproduced, not the paper's numbers. The served hybrid at the "
+             "knee (Table 5 right) is not measured here.", ""]
+    if not len(t5):
+        return lines + ["- the quality rule ran but wrote no summary rows", ""]
+    gate_ok = bool(t5["gate"].eq("PASS").all())
+    bad = t5[t5["gate"] != "PASS"]
+    suites = sorted(set(t5["suite"].astype(str)))
+    n_docs = t5[(t5["task"] == "all") & _true(t5["primary"])]["n"]
+    lines.append(f"- prompt-hash gate: every arm fed identical prompt token ids on every document: "
+                 f"**{'PASS' if gate_ok else 'FAIL'}** (suites {', '.join(suites)}; "
+                 f"{int(pd.to_numeric(n_docs, errors='coerce').fillna(0).sum())} documents"
+                 + ("; " + "; ".join(f"{r.suite}: {r.message}" for r in bad.itertuples()) if len(bad) else "") + ")")
+    if len(ft):
+        for arm, ref, what in (("C", "A", "upstream engine vs HF backend, base model"),
+                               ("D", "B", "served always-route vs plain PyTorch, checkpoint")):
+            sel = ft[(ft["arm"] == arm) & (ft["reference"] == ref)]
+            if not len(sel):
+                continue
+            worst = float(pd.to_numeric(sel["max_abs_diff"]).max())
+            ok = bool(_true(sel["argmax_equal"]).all() and worst <= tol)
+            line = (f"- first-token agreement {arm} vs {ref} ({what}): top-5 log-probabilities within {tol:g} nats "
+                    f"and the same first token on {int(_true(sel['agree']).sum())}/{len(sel)} documents, worst "
+                    f"{worst:.2g} nats")
+            lines.append(line + (f": **{'PASS' if ok else 'FAIL'}**" if arm == "C" else f" ({'agree' if ok else 'DISAGREE'})"))
+    else:
+        lines.append("- first-token agreement: not measured (`vskipper.quality.first_token_docs: 0`)")
+    prim = t5[(t5["task"] == "all") & _true(t5["primary"])]
+    if len(prim):
+        res = int(_true(prim["did_resolved"]).sum())
+        lines.append(f"- Claim (Sec. 4.3): serving adds no resolved quality loss beyond the checkpoint's own (every DiD "
+                     f"interval contains 0). Here: resolved DiD on {res}/{len(prim)} suites ("
+                     + "; ".join(f"{r.suite} {r.did}, n = {r.n}" for r in prim.itertuples()) + ").")
+    cols = ["suite", "task", "metric", "n", "mean_A", "mean_B", "mean_C", "mean_D", "B_minus_A", "D_minus_C", "did",
+            "tokens_equal_AB", "tokens_equal_AC", "tokens_equal_BD", "tokens_equal_all", "gate"]
+    shown = t5[t5["gate"] == "PASS"]
+    lines += ["", _md(shown[cols]) if len(shown) else "(no suite passed the gate)", "",
+              "Token identity: documents whose generated token ids are equal between arms (A = B: checkpoint "
+              "changes nothing; A = C: the engine reproduces the HF backend; B = D: serving reproduces the "
+              "checkpoint).", ""]
+    if len(ft):
+        lines += [_md(ft.drop(columns=["k", "tol"])), ""]
+    return lines
+
+
 def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | Path) -> list[str]:
     """Markdown lines of the vSkipper section of REPORT.md: checks (matched-work gate, knee bracketed),
     the FlexiDepth skipper, the thresholds and their rule, the knee, the Table 2 / 4 / 3 shapes, the
@@ -590,5 +733,6 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
     p = fd / "vskipper_knee.png"
     if p.is_file():
         lines += [f"![Knee sweep]({rel(p)})", ""]
+    lines += quality_section_lines(td)
     lines += ["Tables: " + ", ".join(f"[{p.stem}]({rel(p)})" for p in sorted(td.glob("vskipper_*.csv"))), ""]
     return lines

@@ -44,16 +44,24 @@ Keys (units in brackets):
 - ``randomskip``: the Fig. 3 map: ``r`` and ``d`` grids (fractions in [0, 1]), ``point`` (a label of
   ``load_points``), ``repetitions``, ``requests`` (null = ``requests``), hash ``seed``,
   ``layer_choice`` (``per_row`` | ``fixed``); ``r: []`` = no map rule.
-- ``quality`` (optional, no default): settings of the quality DiD rule (Sec. 4.3, Table 5), read by the
-  hook in ``workflows/vskipper.smk`` once :mod:`impl.quality` provides the rule: ``tasks`` (of
-  gsm8k, bbh, coqa) and ``limit`` (documents per task).
+- ``quality`` (optional; absent = no quality rule): the lm-eval 2x2 DiD of rule ``vskipper_quality``
+  (Sec. 4.3, Table 5 left; :mod:`impl.quality`), one job per suite. ``tasks`` (required: suites among
+  gsm8k, bbh, coqa; giving the list is what turns the rule on); the other keys default to
+  :data:`QUALITY_DEFAULTS` (filled in by :func:`check`): ``limit`` (documents per lm-eval task, each BBH
+  subtask counting separately; null = every document), ``bbh_subtasks`` (BBH task files under
+  ``bbh/tasks/``), ``gsm8k_num_fewshot`` (GSM8K few-shot examples; BBH uses the three CoT exemplars of
+  its prompt file, CoQA is zero-shot), ``max_gen_toks`` [tokens] per suite (generation budget; each
+  must leave room for a prompt in the tiny context), ``first_token_docs`` (documents per suite whose
+  top-5 first-token log-probabilities are compared across arms, App. E.1; 0 = none) and ``tol``
+  [nats] (agreement tolerance, paper: 0.01).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SECTION", "DEFAULTS", "DEFAULT_LOAD_POINTS", "ABLATION_ARMS", "QUALITY_TASKS", "check"]
+__all__ = ["SECTION", "DEFAULTS", "DEFAULT_LOAD_POINTS", "ABLATION_ARMS", "QUALITY_TASKS", "QUALITY_DEFAULTS",
+           "check"]
 
 #: ablation arm names (a subset of :data:`impl.vskipper.mode.ABLATIONS`; no torch import here)
 ABLATION_ARMS = ("prefill-only", "decode-only", "no-promotion", "always-route")
@@ -62,6 +70,18 @@ ABLATION_ARMS = ("prefill-only", "decode-only", "no-promotion", "always-route")
 DEFAULT_LOAD_POINTS = {"below": 0.75, "knee": 0.95, "overload": 1.25}
 #: tasks the quality rule may score
 QUALITY_TASKS = ("gsm8k", "bbh", "coqa")
+#: defaults of the optional ``quality`` section, merged under the user's keys by :func:`check` when the
+#: section is given (not in :data:`DEFAULTS`: an absent section means no quality rule). Sized for the
+#: embedded CPU default (about 5 minutes for the three suites on 2 cores); the paper scores every
+#: held-out document with lm-eval's budgets.
+QUALITY_DEFAULTS: dict[str, Any] = {
+    "limit": 8,
+    "bbh_subtasks": ["boolean_expressions", "sports_understanding"],
+    "gsm8k_num_fewshot": 5,
+    "max_gen_toks": {"gsm8k": 64, "bbh": 64, "coqa": 32},
+    "first_token_docs": 1,
+    "tol": 0.01,
+}
 _LANES = ("matched", "natural")
 
 _POS_INT = {"type": "integer", "minimum": 1}
@@ -139,7 +159,13 @@ SECTION: dict[str, Any] = {
         }),
         "quality": _obj({
             "tasks": {"type": "array", "items": {"enum": list(QUALITY_TASKS)}, "minItems": 1, "uniqueItems": True},
-            "limit": _POS_INT,
+            "limit": {"oneOf": [{"type": "null"}, _POS_INT]},
+            "bbh_subtasks": {"type": "array", "minItems": 1, "uniqueItems": True,
+                             "items": {"type": "string", "pattern": "^[a-z0-9_]+$"}},
+            "gsm8k_num_fewshot": {"type": "integer", "minimum": 0},
+            "max_gen_toks": _obj({s: _POS_INT for s in QUALITY_TASKS}),
+            "first_token_docs": {"type": "integer", "minimum": 0},
+            "tol": _POS_NUM,
         }, required=("tasks",)),
     }),
     "description": "vSkipper serving experiments (Sec. 4: knee, matched-work cells, ablations, RandomSkip map); "
@@ -174,6 +200,31 @@ def _error(msg: str):
     return ConfigError(f"config: {msg}")
 
 
+def _check_quality(cfg: dict[str, Any], v: dict[str, Any]) -> None:
+    """Fill in :data:`QUALITY_DEFAULTS` under ``vskipper.quality`` and check it against the data folder
+    (BBH subtask files, when the folder exists) and the tiny context."""
+    from pathlib import Path
+
+    q = v["quality"]
+    for k, val in QUALITY_DEFAULTS.items():
+        if k == "max_gen_toks":
+            q[k] = {**val, **(q.get(k) or {})}
+        elif k not in q:
+            q[k] = list(val) if isinstance(val, list) else val
+    bbh = Path(str(cfg.get("data_dir", ""))) / "bbh" / "tasks"
+    if "bbh" in q["tasks"] and bbh.is_dir():
+        for i, name in enumerate(q["bbh_subtasks"]):
+            if not (bbh / f"{name}.json").is_file():
+                raise _error(f"'vskipper.quality.bbh_subtasks[{i}]' = '{name}' has no task file {bbh / name}.json")
+    if cfg["models"][v["model"]]["kind"] == "tiny":
+        ctx = cfg["tiny_arch"]["max_position_embeddings"]
+        for suite in q["tasks"]:
+            n = q["max_gen_toks"][suite]
+            if n >= ctx // 2:
+                raise _error(f"'vskipper.quality.max_gen_toks.{suite}' = {n} leaves fewer than half of "
+                             f"'tiny_arch.max_position_embeddings' = {ctx} positions for the prompt")
+
+
 def check(cfg: dict[str, Any]) -> None:
     """Cross-checks of the merged ``vskipper`` section against the whole config.
 
@@ -190,6 +241,8 @@ def check(cfg: dict[str, Any]) -> None:
     """
     v = cfg["vskipper"]
     v.setdefault("load_points", dict(DEFAULT_LOAD_POINTS))
+    if v.get("quality") is not None:
+        _check_quality(cfg, v)
     if v["model"] not in cfg["models"]:
         raise _error(f"'vskipper.model' names '{v['model']}', which is not a key of 'models' "
                      f"({', '.join(cfg['models'])})")

@@ -1,0 +1,263 @@
+"""The quality rule of the vSkipper workflow (rule ``vskipper_quality``, command ``quality-cell``, Table 5
+left and App. E.1 in impl/serving/report.py, the ``vskipper.quality`` config section):
+
+- the section's defaults fill in, and bad values fail with one line naming the key;
+- ``quality-cell`` on a tiny random Llama with an untrained FlexiDepth checkpoint (limit 1-2) writes
+  well-formed rows (documents x four arms, summaries with the DiD, first-token agreement) and a summary
+  JSON, and ``vskipper-tables --quality`` turns them into Table 5 / first-token tables;
+- the tables and report lines from synthetic rows, including a gate FAIL.
+"""
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from impl.config import ConfigError, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(quality: dict | None, data_dir=None) -> dict:
+    cfg = yaml.safe_load((ROOT / "configs" / "smoke.yaml").read_text())
+    cfg["vskipper"] = {} if quality is None else {"quality": quality}
+    if data_dir is not None:
+        cfg["data_dir"] = str(data_dir)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------- schema
+def test_quality_defaults_fill_in():
+    out = validate_config(_cfg(None), check_paths=False)
+    assert "quality" not in out["vskipper"]  # absent section: no rule
+    out = validate_config(_cfg({"tasks": ["gsm8k", "bbh"], "max_gen_toks": {"bbh": 16}}), check_paths=False)
+    q = out["vskipper"]["quality"]
+    assert q["limit"] == 8 and q["gsm8k_num_fewshot"] == 5 and q["first_token_docs"] == 1 and q["tol"] == 0.01
+    assert q["max_gen_toks"] == {"gsm8k": 64, "bbh": 16, "coqa": 32}
+    assert q["bbh_subtasks"] == ["boolean_expressions", "sports_understanding"]
+    again = validate_config(copy.deepcopy(out), check_paths=False)
+    assert again["vskipper"]["quality"] == q
+    assert validate_config(_cfg({"tasks": ["coqa"], "limit": None}), check_paths=False)["vskipper"]["quality"][
+        "limit"] is None
+
+
+@pytest.mark.parametrize("quality, key", [
+    ({"limit": 3}, "vskipper.quality"),
+    ({"tasks": ["mmlu"]}, "vskipper.quality.tasks.0"),
+    ({"tasks": ["gsm8k"], "limit": 0}, "vskipper.quality.limit"),
+    ({"tasks": ["gsm8k"], "bogus": 1}, "vskipper.quality.bogus"),
+    ({"tasks": ["gsm8k"], "tol": 0}, "vskipper.quality.tol"),
+    ({"tasks": ["gsm8k"], "gsm8k_num_fewshot": -1}, "vskipper.quality.gsm8k_num_fewshot"),
+    ({"tasks": ["gsm8k"], "max_gen_toks": {"gsm8k": 0}}, "vskipper.quality.max_gen_toks.gsm8k"),
+    ({"tasks": ["gsm8k"], "max_gen_toks": {"mmlu": 8}}, "vskipper.quality.max_gen_toks.mmlu"),
+    ({"tasks": ["coqa"], "max_gen_toks": {"coqa": 300}}, "vskipper.quality.max_gen_toks.coqa"),
+    ({"tasks": ["bbh"], "bbh_subtasks": ["Bad-Name"]}, "vskipper.quality.bbh_subtasks.0"),
+    ({"tasks": ["bbh"], "bbh_subtasks": ["navigate", "no_such_task"]}, "vskipper.quality.bbh_subtasks[1]"),
+])
+def test_quality_schema_errors_name_the_key(quality, key, data_dir):
+    with pytest.raises(ConfigError) as e:
+        validate_config(_cfg(quality, data_dir), check_paths=False)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("config: ") and key in msg, msg
+
+
+# -------------------------------------------------------------------------- tables from synthetic rows
+def _summary_row(suite, metric, *, task=None, primary=True, n=4, did=(0.0, -1.0, 1.0, False), hashes=True):
+    m, lo, hi, res = did
+    return {"kind": "summary", "suite": suite, "task": task, "metric": metric, "primary": primary, "n": n,
+            "mean_A": 50.0, "mean_B": 25.0, "mean_C": 50.0, "mean_D": 25.0 + m,
+            "B_minus_A_mean": -25.0, "B_minus_A_ci_low": -40.0, "B_minus_A_ci_high": -10.0,
+            "D_minus_C_mean": -25.0 + m, "D_minus_C_ci_low": -40.0, "D_minus_C_ci_high": -10.0,
+            "did_mean": m, "did_ci_low": lo, "did_ci_high": hi, "did_resolved": res,
+            "tokens_equal_AB": 1, "tokens_equal_AC": n, "tokens_equal_BD": n, "tokens_equal_all": 1,
+            "prompt_hashes_equal": hashes}
+
+
+def _ft_row(suite, arm, ref, diff, argmax=True):
+    return {"kind": "first_token", "suite": suite, "task": f"vsk_{suite}", "doc_id": 0, "arm": arm, "reference": ref,
+            "k": 5, "tol": 0.01, "max_abs_diff": diff, "argmax_equal": argmax, "top_ids_equal": argmax,
+            "agree": bool(argmax and diff <= 0.01)}
+
+
+def _write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_table5_and_first_token_from_rows(tmp_path):
+    from impl.serving.report import QUALITY_TABLE_NAMES, TABLE_NAMES, quality_section_lines, vskipper_tables
+    from impl.report.tables import write_table
+
+    g = [_summary_row("gsm8k", "exact_match,strict-match", primary=False),
+         _summary_row("gsm8k", "exact_match,composite", did=(5.0, 1.0, 9.0, True)),
+         {"kind": "doc", "suite": "gsm8k", "arm": "A", "score": 1.0}]
+    b = [_summary_row("bbh", "exact_match,get-answer", task="vsk_bbh_navigate", n=2),
+         _summary_row("bbh", "exact_match,get-answer", n=4)]
+    ft = [_ft_row("gsm8k", "C", "A", 2e-6), _ft_row("gsm8k", "D", "B", 3e-6), _ft_row("gsm8k", "B", "A", 0.7, False)]
+    files = [_write_rows(tmp_path / "gsm8k.jsonl", g + ft), _write_rows(tmp_path / "bbh.jsonl", b)]
+    tabs = vskipper_tables(quality=files)
+    assert set(tabs) == set(TABLE_NAMES) | set(QUALITY_TABLE_NAMES)
+    assert set(vskipper_tables()) == set(TABLE_NAMES)  # no quality rule: no quality tables
+    t5 = tabs["vskipper_table5"]
+    assert list(t5["suite"]) == ["gsm8k", "gsm8k", "bbh", "bbh"]
+    assert list(t5["metric"])[:2] == ["exact_match,composite", "exact_match,strict-match"]  # primary first
+    assert list(t5["task"]) == ["all", "all", "all", "vsk_bbh_navigate"]
+    top = t5.iloc[0]
+    assert top["did"] == "+5.00 [+1.00, +9.00] *" and top["B_minus_A"] == "-25.00 [-40.00, -10.00]"
+    assert top["n"] == 4 and top["gate"] == "PASS" and top["tokens_equal_AC"] == 4 and top["mean_D"] == 30.0
+    assert tabs["vskipper_first_token"].shape[0] == 3
+    out = tmp_path / "tables"
+    for name, df in tabs.items():
+        write_table(df, out / name)
+    lines = quality_section_lines(out)
+    text = "\n".join(lines)
+    assert "prompt-hash gate" in text and "**PASS** (suites bbh, gsm8k; 8 documents)" in text
+    assert "first-token agreement C vs A" in text and "1/1 documents" in text
+    assert [ln for ln in lines if ln.startswith("- first-token agreement C vs A")][0].endswith("**PASS**")
+    assert "resolved DiD on 1/2 suites" in text and "| vsk_bbh_navigate |" in text
+    # the vSkipper report section carries the quality lines
+    from impl.serving.report import report_section
+
+    assert "### Task quality: the 2x2 difference-in-differences (Table 5 left shape; App. E.1)" in report_section(
+        out, tmp_path / "figs", tmp_path)
+    # without the quality tables: no lines
+    assert quality_section_lines(tmp_path / "nothing") == []
+
+
+def test_gate_and_agreement_failures_are_reported(tmp_path):
+    from impl.report.tables import write_table
+    from impl.serving.report import quality_section_lines, vskipper_tables
+
+    rows = [_summary_row("coqa", "f1,none", n=2),
+            {"kind": "rejected", "suite": "gsm8k", "reason": "prompt-hash gate",
+             "error": "PromptMismatchError: prompt token ids differ between arms on 1 document(s)"},
+            _ft_row("coqa", "C", "A", 0.05)]
+    tabs = vskipper_tables(quality=[_write_rows(tmp_path / "q.jsonl", rows)])
+    t5 = tabs["vskipper_table5"]
+    assert list(t5["suite"]) == ["gsm8k", "coqa"] and list(t5["gate"]) == ["FAIL", "PASS"]
+    for name, df in tabs.items():
+        write_table(df, tmp_path / "t" / name)
+    text = "\n".join(quality_section_lines(tmp_path / "t"))
+    assert "**FAIL** (suites coqa, gsm8k; 2 documents; gsm8k: PromptMismatchError" in text
+    assert "C vs A (upstream engine vs HF backend, base model)" in text and "0/1 documents, worst 0.05 nats: **FAIL**" in text
+
+
+# ------------------------------------------------------------------------- the command on a tiny model
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+GEN = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_quality(tmp_path_factory, tiny_tokenizer):
+    """A seeded random 4-layer Llama over the tiny tokenizer (context 512), an untrained FlexiDepth
+    checkpoint on layers 2-3 (routers spread so that some rows skip), and a config whose
+    ``vskipper.quality`` runs every suite with limit 2 (BBH: one subtask) and budgets of 8 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import DATA_DIR
+    from impl.vskipper.flexidepth import FlexiDepthSkipper
+
+    if not DATA_DIR.is_dir():
+        pytest.skip(f"data folder {DATA_DIR} not present")
+    root = tmp_path_factory.mktemp("vskq")
+    torch.manual_seed(0)
+    eos = tiny_tokenizer.eos_token_id
+    cfg = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos,
+                      bos_token_id=eos, initializer_range=0.2)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(4.0)
+    mdir = root / "model"
+    model.save_pretrained(mdir)
+    tiny_tokenizer.save_pretrained(mdir)
+    sk = FlexiDepthSkipper.for_model(model, [2, 3], init_logit=0.0, init_spread=3.0, seed=1)
+    ckpt = sk.save(root / "model-flexidepth", extra={"num_hidden_layers": 4})
+    c = _cfg({"tasks": ["gsm8k", "bbh", "coqa"], "limit": 2, "bbh_subtasks": ["boolean_expressions"],
+              "gsm8k_num_fewshot": 2, "max_gen_toks": {"gsm8k": GEN, "bbh": GEN, "coqa": GEN},
+              "first_token_docs": 1}, DATA_DIR)
+    c["vskipper"].update({"model": "tiny-std", "engine": {"page_size": 16, "max_batch_tokens": 256,
+                                                           "max_requests_per_batch": 4}})
+    conf = root / "config.json"
+    conf.write_text(json.dumps(validate_config(c, check_paths=False)))
+    return {"root": root, "model": mdir, "ckpt": ckpt, "config": conf}
+
+
+def _cli(d, *argv):
+    from impl.cli import main
+
+    main([argv[0], "--config-json", f"@{d['config']}", "--quiet", *argv[1:]])
+
+
+@pytest.mark.parametrize("suite, n_tasks, metric", [("gsm8k", 1, "exact_match,composite"),
+                                                     ("bbh", 1, "exact_match,get-answer"),
+                                                     ("coqa", 1, "f1,none")])
+def test_quality_cell_end_to_end(tiny_quality, suite, n_tasks, metric):
+    from impl.provenance import read_jsonl
+
+    d = tiny_quality
+    qdir = d["root"] / "results" / "vskipper" / "quality"
+    out, summ, work = qdir / f"{suite}.jsonl", qdir / f"{suite}.json", qdir / f"{suite}_run"
+    _cli(d, "quality-cell", "--model-dir", str(d["model"]), "--flexidepth", str(d["ckpt"]), "--suite", suite,
+         "--work-dir", str(work), "--out", str(out), "--summary", str(summ))
+    rows = read_jsonl(out)
+    docs = [r for r in rows if r["kind"] == "doc"]
+    assert len(docs) == 4 * 2 * n_tasks and {r["arm"] for r in docs} == set("ABCD")
+    for r in docs:
+        assert r["suite"] == suite and r["metric"] == metric and 0.0 <= r["score"] <= 1.0
+        assert r["model"] == "tiny-std" and r["policy"] == "flexidepth" and r["checkpoint"] == str(d["ckpt"])
+        assert len(r["prompt_hash"]) == 16 and 1 <= r["n_gen_tokens"] <= GEN
+        assert r["run_id"] == rows[0]["run_id"] and "git_sha" in r and "config_hash" in r
+    by_doc = {}
+    for r in docs:
+        by_doc.setdefault(r["doc_id"], set()).add(r["prompt_hash"])
+    assert all(len(h) == 1 for h in by_doc.values())  # the gate: identical ids in every arm
+    prim = [r for r in rows if r["kind"] == "summary" and r["primary"] and r["task"] is None]
+    assert len(prim) == 1
+    p = prim[0]
+    assert p["metric"] == metric and p["n"] == 2 and p["prompt_hashes_equal"]
+    for k in ("mean_A", "mean_B", "mean_C", "mean_D", "did_mean", "B_minus_A_mean", "D_minus_C_mean"):
+        assert math.isfinite(p[k]), k
+    assert math.isclose(p["did_mean"], (p["mean_D"] - p["mean_C"]) - (p["mean_B"] - p["mean_A"]), abs_tol=1e-9)
+    assert 0 <= p["tokens_equal_all"] <= p["tokens_equal_AC"] <= 2
+    ft = [r for r in rows if r["kind"] == "first_token"]
+    assert {(r["arm"], r["reference"]) for r in ft} == {("B", "A"), ("C", "A"), ("D", "A"), ("D", "B")}
+    ca = [r for r in ft if (r["arm"], r["reference"]) == ("C", "A")]
+    db = [r for r in ft if (r["arm"], r["reference"]) == ("D", "B")]
+    assert all(r["agree"] and r["max_abs_diff"] <= 0.01 for r in ca + db)
+    s = json.loads(summ.read_text())
+    assert s["gate"] == "PASS" and s["suite"] == suite and s["n_docs"] == 2 * n_tasks
+    assert set(s["wall_s"]) == set("ABCD") and s["options"][f"{suite}_max_gen_toks"] == GEN
+    assert (work / "tasks").is_dir() and (work / "lm_eval_D.json").is_file()
+
+
+def test_quality_tables_from_the_command(tiny_quality, tmp_path):
+    d = tiny_quality
+    qdir = d["root"] / "results" / "vskipper" / "quality"
+    files = sorted(qdir.glob("*.jsonl"))
+    if not files:
+        pytest.skip("run with test_quality_cell_end_to_end")
+    out = tmp_path / "tables"
+    from impl.cli import main
+
+    main(["vskipper-tables", "--quality", *map(str, files), "--out-dir", str(out)])
+    t5 = pd.read_csv(out / "vskipper_table5.csv")
+    assert set(t5["suite"]) == {f.stem for f in files} and (t5["gate"] == "PASS").all()
+    assert (out / "vskipper_first_token.md").is_file() and (out / "vskipper_gate.csv").is_file()
+    from impl.serving.report import quality_section_lines
+
+    text = "\n".join(quality_section_lines(out))
+    assert "**PASS**" in text and "FAIL" not in text

@@ -22,6 +22,7 @@ include: "workflows/ead.smk"
 include: "workflows/dex.smk"
 include: "workflows/tev.smk"
 include: "workflows/vskipper.smk"
+include: "workflows/vskipper_bench.smk"
 include: "workflows/report.smk"
 
 

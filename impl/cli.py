@@ -598,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMAND_MODULES = ("impl.tev.commands", "impl.serving.commands")
+COMMAND_MODULES = ("impl.tev.commands", "impl.serving.commands", "impl.vskipper.commands")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,95 @@
+"""Tables and REPORT.md section of the vSkipper step benchmark (:mod:`impl.vskipper.bench`).
+
+:func:`bench_tables` turns the summaries written by ``python -m impl vskipper-bench`` into
+``vskipper_bench.{csv,md}`` (per model, cell and arm: median step time, measured routed / upstream
+ratio, FLOP-predicted ratio, gap, realised Project-Only share), ``vskipper_bench_targets.{csv,md}``
+(the issue's targets per model, PASS / FAIL / NA) and ``vskipper_bench_profile.{csv,md}`` (where
+decode time goes). :func:`report_section` renders them for REPORT.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+__all__ = ["bench_tables", "report_section", "TABLES"]
+
+TABLES = ("vskipper_bench", "vskipper_bench_targets", "vskipper_bench_profile")
+
+
+def _write(df: pd.DataFrame, out: Path, name: str) -> None:
+    df.to_csv(out / f"{name}.csv", index=False)
+    (out / f"{name}.md").write_text((df.to_markdown(index=False, floatfmt=".3f") if len(df) else "(no rows)") + "\n",
+                                    encoding="utf-8")
+
+
+def bench_tables(summaries: Iterable[str | os.PathLike], out_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
+    """Write the three tables from ``vskipper-bench`` summary JSON files; returns them by name."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ratios, targets, prof = [], [], []
+    for f in summaries:
+        s = json.loads(Path(f).read_text(encoding="utf-8"))
+        lab = s["label"]
+        for r in s["ratios"]:
+            ratios.append({"model": lab, **{k: r.get(k) for k in ("cell", "arm", "skip_share", "t_step_s",
+                                                                  "measured_ratio", "flop_pred_ratio", "abs_gap",
+                                                                  "hybrid_routed")}})
+        t = s["targets"]
+        targets.append({"model": lab, "threads": s.get("threads"),
+                        **{k: t.get(k) for k in ("all_run", "all_run_worst", "prefill_flop", "prefill_flop_worst",
+                                                 "hybrid_dense", "hybrid_dense_worst", "hybrid_dense_n")}})
+        for p in s.get("decode_profile", []):
+            prof.append({"model": lab, "cell": p["cell"], "arm": p["arm"], "total_ms": 1e3 * p["total_s"],
+                         **{f"{k}_%": 100 * v for k, v in p["shares"].items()}})
+    dfs = {"vskipper_bench": pd.DataFrame(ratios), "vskipper_bench_targets": pd.DataFrame(targets),
+           "vskipper_bench_profile": pd.DataFrame(prof)}
+    for name, df in dfs.items():
+        _write(df, out, name)
+    return dfs
+
+
+def report_section(tables_dir, figures_dir, base) -> list[str]:
+    """Markdown lines of the step-benchmark section of REPORT.md."""
+    td, base = Path(tables_dir), Path(base)
+    rel = lambda p: os.path.relpath(p, base).replace(os.sep, "/")  # noqa: E731
+
+    def read(n):
+        f = td / f"{n}.csv"
+        # keep "NA" (a target with nothing to check) as text, not NaN
+        kw = {"keep_default_na": False, "na_values": [""]} if n == "vskipper_bench_targets" else {}
+        return pd.read_csv(f, **kw) if f.is_file() and f.stat().st_size > 1 else pd.DataFrame()
+
+    md = lambda d: d.to_markdown(index=False, floatfmt=".3f")  # noqa: E731
+    ratios, targets, prof = (read(n) for n in TABLES)
+    lines = ["## vSkipper: per-step timings vs FLOP accounting (timings only)", "",
+             "Engine-shaped packed steps on this CPU (median of interleaved rounds; shared cores, so compare "
+             "ratios). measured = t_arm / t_upstream; flop = F_routed / F_full (impl/vskipper/bench.py: skipped "
+             "rows save q/o projections, attention over the packed K columns and the MLP; K/V projections and the "
+             "LM head stay). The wide model is randomly initialised: its outputs mean nothing.", ""]
+    if len(targets):
+        for _, t in targets.iterrows():
+            def w(k):
+                v = t.get(f"{k}_worst")
+                return "-" if v is None or pd.isna(v) else f"{v:+.3f}" if k != "prefill_flop" else f"{v:.3f}"
+            lines.append(f"- **{t['model']}**: all-RUN <= 2% over upstream: **{t['all_run']}** (worst {w('all_run')}); "
+                         f"prefill RandomSkip |measured - FLOP| <= 0.05: **{t['prefill_flop']}** (worst "
+                         f"{w('prefill_flop')}); hybrid within 2% where the switch keeps it dense: "
+                         f"**{t['hybrid_dense']}** (worst {w('hybrid_dense')})")
+        lines.append("")
+    if len(ratios):
+        keep = ratios[~ratios.arm.isin(["upstream"])]
+        piv = keep.pivot_table(index=["model", "arm"], columns="cell", values=["measured_ratio", "flop_pred_ratio"],
+                               sort=False)
+        piv.columns = [f"{c} {'meas' if v == 'measured_ratio' else 'flop'}" for v, c in piv.columns]
+        piv = piv[sorted(piv.columns, key=lambda c: (c.split()[0], c.split()[1] != "meas"))]
+        lines += ["### Routed / upstream step-time ratio, measured vs FLOP prediction", "",
+                  md(piv.reset_index()), ""]
+    if len(prof):
+        lines += ["### Where decode time goes (% of a step; forward-hook timers)", "", md(prof), ""]
+    lines += ["Tables: " + ", ".join(f"[{p.stem}]({rel(p)})" for p in sorted(td.glob("vskipper_bench*.csv"))), ""]
+    return lines

@@ -1,0 +1,144 @@
+"""vSkipper benchmark command (plugged into ``python -m impl`` through ``impl.cli.COMMAND_MODULES``).
+
+``vskipper-bench``: per-step timings of the arms (upstream, routed all-RUN, RandomSkip over the r x d
+grid, FlexiDepth when a checkpoint is given, the mode-switch hybrids) on a model directory or on the
+wider randomly initialised model (``--wide``), beside the FLOP accounting's prediction
+(:mod:`impl.vskipper.bench`); writes the rows as JSONL and a summary JSON with the issue's targets as
+PASS / FAIL fields and a coarse decode profile.
+
+Settings: command-line flags; a flag left unset falls back to the optional config section
+``vskipper.bench`` (same names with underscores), then to the defaults below.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+log = logging.getLogger(__name__)
+
+#: defaults of the settings (flag name with underscores -> value)
+BENCH_DEFAULTS = dict(
+    prefill_tokens=[2048], prompt_len=256, decode_requests=[32, 128], decode_context=64, repeats=3, warmup=1,
+    r=[0.25, 0.5, 0.75], d=[0.25, 0.5, 0.75], hybrid=True, profile_repeats=2, profile_steps=3,
+    profile_requests=[32, 128], wide_hidden=256, wide_intermediate=704, wide_layers=12, wide_heads=4,
+)
+
+
+def _settings(args, cfg: dict) -> dict:
+    sec = ((cfg.get("vskipper") or {}).get("bench") or {}) if isinstance(cfg, dict) else {}
+    out = {}
+    for k, v in BENCH_DEFAULTS.items():
+        a = getattr(args, k, None)
+        out[k] = a if a is not None else sec.get(k, v)
+    return out
+
+
+def cmd_vskipper_bench(args) -> None:
+    """Run the step benchmark on one model and write rows + summary."""
+    import torch
+
+    from impl.cli import _config, _load, _threads
+    from impl.provenance import provenance, write_json, write_jsonl
+
+    from .bench import WIDE_ARCH, arch_of, check_targets, decode_profile, step_benchmark, wide_model
+
+    cfg = _config(args)
+    _threads(cfg)
+    s = _settings(args, cfg)
+    if bool(args.wide) == bool(args.model_dir):
+        raise SystemExit("error: pass exactly one of --model-dir DIR or --wide")
+    if args.wide:
+        arch = dict(WIDE_ARCH, hidden_size=int(s["wide_hidden"]), intermediate_size=int(s["wide_intermediate"]),
+                    num_layers=int(s["wide_layers"]), num_heads=int(s["wide_heads"]))
+        model = wide_model(**arch, seed=int(cfg["seed"]), dtype=getattr(torch, cfg["dtype"])).to(cfg["device"])
+        label = args.label or "wide"
+        source = {"wide": arch, "note": "randomly initialised (seeded); timings only, outputs meaningless"}
+    else:
+        model = _load(cfg, args.model_dir)
+        label = args.label or str(args.model_dir).rstrip("/").split("/")[-1]
+        source = {"model_dir": str(args.model_dir)}
+    flexi = None
+    routed_layers = None
+    if args.flexidepth:
+        from .flexidepth import load_flexidepth
+
+        flexi = load_flexidepth(args.flexidepth, model)
+        routed_layers = list(flexi.routed_layers)
+    cells = [dict(phase="prefill", tokens=int(t), prompt_len=int(s["prompt_len"])) for t in s["prefill_tokens"]]
+    cells += [dict(phase="decode", requests=int(n), context=int(s["decode_context"])) for n in s["decode_requests"]]
+    grid = [(float(r), float(d)) for r in s["r"] for d in s["d"]]
+    pt = sorted({max(int(s["prompt_len"]), 512), *[int(t) for t in s["prefill_tokens"]]})
+    profile_kw = dict(prefill_tokens=pt, prefill_prompt_len=int(s["prompt_len"]),
+                      decode_requests=[int(n) for n in s["decode_requests"]], decode_context=int(s["decode_context"]),
+                      repeats=int(s["profile_repeats"]), warmup=0)
+    rows = step_benchmark(model, cells, routed_layers=routed_layers, grid=grid, flexidepth=flexi,
+                          hybrid=bool(s["hybrid"]), profile_kw=profile_kw, repeats=int(s["repeats"]),
+                          warmup=int(s["warmup"]), seed=int(cfg["seed"]), label=label, log=log.info)
+    prof = []
+    for n in s["profile_requests"]:
+        prof += decode_profile(model, requests=int(n), context=int(s["decode_context"]), routed_layers=routed_layers,
+                               steps=int(s["profile_steps"]), seed=int(cfg["seed"]), label=label)
+    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    write_jsonl(args.out, [dict(r, **prov) for r in rows])
+    targets = check_targets(rows)
+    table = [{k: r.get(k) for k in ("cell", "arm", "kind", "r", "d", "skip_share", "t_step_s", "measured_ratio",
+                                    "flop_pred_ratio", "abs_gap", "hybrid_routed")} for r in rows]
+    summary = dict(label=label, source=source, arch=arch_of(model), settings=s, cells=cells, targets=targets,
+                   ratios=table, decode_profile=prof, threads=torch.get_num_threads(),
+                   timing_note="CPU wall clock, median of interleaved rounds; shared cores: noisy, compare ratios",
+                   **prov)
+    write_json(args.summary, summary)
+    log.info("%s: all_run %s, prefill_flop %s, hybrid_dense %s -> %s", label, targets["all_run"],
+             targets["prefill_flop"], targets["hybrid_dense"], args.summary)
+    if not args.quiet:
+        for r in table:
+            print(f"{label:10s} {r['cell']:14s} {r['arm']:28s} measured {r['measured_ratio']:.3f}  "
+                  f"flop {r['flop_pred_ratio']:.3f}  share {_f(r['skip_share'])}")
+        print({k: v for k, v in targets.items() if k != "targets"})
+
+
+def _f(x) -> str:
+    return "  -  " if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+def cmd_vskipper_bench_tables(args) -> None:
+    """Step-benchmark tables from the summaries (impl.vskipper.bench_report)."""
+    from .bench_report import bench_tables
+
+    bench_tables(args.summaries, args.out_dir)
+    log.info("vskipper bench tables -> %s", args.out_dir)
+
+
+def register(add) -> None:
+    """Add this module's commands to the ``python -m impl`` parser (``add(name, fn, help)``)."""
+    sp = add("vskipper-bench", cmd_vskipper_bench,
+             "per-step timings of the vSkipper arms vs FLOP accounting (RandomSkip r x d grid, FlexiDepth, hybrid)")
+    sp.add_argument("--model-dir", help="HF model directory (or --wide)")
+    sp.add_argument("--wide", action="store_true", help="the wider randomly initialised model (timings only)")
+    sp.add_argument("--flexidepth", help="FlexiDepth checkpoint directory (adds the flexidepth arms)")
+    sp.add_argument("--label", help="label of the rows (default: model dir name, or 'wide')")
+    sp.add_argument("--out", required=True, help="JSONL rows to write")
+    sp.add_argument("--summary", required=True, help="summary JSON to write (targets as PASS/FAIL)")
+    sp.add_argument("--prefill-tokens", type=int, nargs="+", help="prefill cells: packed prompt tokens")
+    sp.add_argument("--prompt-len", type=int, help="tokens per packed prompt")
+    sp.add_argument("--decode-requests", type=int, nargs="+", help="decode cells: concurrent requests")
+    sp.add_argument("--decode-context", type=int, help="cached tokens per decode request")
+    sp.add_argument("--repeats", type=int, help="timed rounds per cell (median)")
+    sp.add_argument("--warmup", type=int, help="untimed rounds per cell")
+    sp.add_argument("--r", type=float, nargs="+", help="RandomSkip row fractions")
+    sp.add_argument("--d", type=float, nargs="+", help="RandomSkip layer fractions")
+    sp.add_argument("--no-hybrid", dest="hybrid", action="store_const", const=False, help="skip the hybrid arms")
+    sp.add_argument("--profile-repeats", type=int, help="rounds of the routed-cost profile for the thresholds")
+    sp.add_argument("--profile-steps", type=int, help="steps of the decode time profile")
+    sp.add_argument("--profile-requests", type=int, nargs="*", help="decode loads of the time profile")
+    sp.add_argument("--wide-hidden", type=int)
+    sp.add_argument("--wide-intermediate", type=int)
+    sp.add_argument("--wide-layers", type=int)
+    sp.add_argument("--wide-heads", type=int)
+    sp = add("vskipper-bench-tables", cmd_vskipper_bench_tables, "tables of the vSkipper step benchmark")
+    sp.add_argument("--summaries", nargs="+", required=True, help="vskipper-bench summary JSON files")
+    sp.add_argument("--out-dir", required=True, help="tables directory")
+
+
+__all__ = ["register", "cmd_vskipper_bench", "cmd_vskipper_bench_tables", "BENCH_DEFAULTS"]

@@ -1,0 +1,132 @@
+"""vSkipper step benchmark: FLOP accounting, row shapes and shares, the command (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from impl.vskipper.bench import (DEFAULT_GRID, arch_of, check_targets, decode_profile, flop_costs, flop_pred_ratio,
+                                 step_benchmark, wide_model)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def _tiny():
+    return wide_model(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=2, vocab_size=64,
+                      max_position_embeddings=512, seed=3)
+
+
+def test_flop_formula_hand_computed():
+    # H=4, I=8, L=2, nh=2, kvh=1, hd=2, V=10; T=3 rows, K=5 columns, G=1 logits row
+    arch = dict(H=4, I=8, L=2, nh=2, kvh=1, hd=2, V=10)
+    c = flop_costs(arch, T=3, K=5, G=1)
+    assert c["f_kv"] == 4 * 4 * 1 * 2 == 32
+    assert c["f_skip"] == 4 * 4 * 2 * 2 + 4 * 2 * 2 * 5 + 6 * 4 * 8 == 64 + 80 + 192 == 336
+    assert c["lm_head"] == 2 * 4 * 10 == 80
+    assert c["F_full"] == 3 * 2 * (32 + 336) + 80 == 2288
+    assert flop_pred_ratio(arch, T=3, K=5, G=1, n_po=0) == 1.0
+    assert flop_pred_ratio(arch, T=3, K=5, G=1, n_po=2) == pytest.approx(1 - 2 * 336 / 2288)
+
+
+def test_wide_model_deterministic_and_arch():
+    a, b = _tiny(), _tiny()
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert arch_of(a) == dict(H=32, I=64, L=4, nh=2, kvh=2, hd=16, V=64)
+
+
+def test_step_benchmark_rows_and_shares():
+    m = _tiny()
+    grid = [(0.25, 0.5), (0.5, 0.5), (0.75, 0.75)]
+    cells = [dict(phase="prefill", tokens=256, prompt_len=64), dict(phase="decode", requests=64, context=8)]
+    prof = dict(prefill_tokens=(64, 128), prefill_prompt_len=64, decode_requests=(4, 8), decode_context=8,
+                repeats=1, warmup=0)
+    rows = step_benchmark(m, cells, grid=grid, repeats=1, warmup=0, profile_kw=prof, label="t")
+    n_arms = 2 + 2 * len(grid)
+    assert len(rows) == 2 * n_arms
+    assert {r["arm"] for r in rows} >= {"upstream", "all_run", "random_r0.5_d0.5", "hybrid_random_r0.5_d0.5"}
+    for r in rows:
+        json.dumps(r)  # plain, JSON-able
+        assert r["t_step_s"] > 0 and r["measured_ratio"] > 0 and 0 < r["flop_pred_ratio"] <= 1
+        assert r["label"] == "t" and len(r["t_steps_s"]) == 1
+    n_routed = 2  # last half of 4 layers
+    for r in rows:
+        if r["kind"] == "routed":
+            k = math.floor(r["d"] * n_routed + 0.5)
+            expect = r["r"] * k / n_routed
+            assert r["skip_share"] == pytest.approx(expect, abs=0.12), r
+            assert r["routed_rows_share"] == 1.0
+            assert r["flop_pred_ratio"] < 1
+        if r["arm"] == "all_run":
+            assert r["skip_share"] == 0 and r["flop_pred_ratio"] == 1
+        if r["arm"] == "upstream":
+            assert r["measured_ratio"] == 1 and r["n_po"] == 0
+        if r["kind"] == "hybrid":
+            assert isinstance(r["hybrid_routed"], bool)
+            if not r["hybrid_routed"]:
+                assert r["n_po"] == 0 and r["flop_pred_ratio"] == 1
+    # the layers are restored
+    assert not any(type(x).__name__ == "RoutedDecoderLayer" for x in m.model.layers)
+    t = check_targets(rows)
+    assert t["all_run"] in ("PASS", "FAIL") and t["prefill_flop"] == "NA"  # no >= 2k-token prefill cell here
+    assert t["hybrid_dense"] in ("PASS", "FAIL", "NA")
+
+
+def test_default_grid():
+    assert len(DEFAULT_GRID) == 9 and (0.25, 0.75) in DEFAULT_GRID
+
+
+def test_decode_profile_categories():
+    m = _tiny()
+    out = decode_profile(m, requests=4, context=8, arms=((0.0, 0.0), (0.5, 0.5)), steps=1)
+    assert [o["arm"] for o in out] == ["upstream", "all_run", "random_r0.5_d0.5"]
+    for o in out:
+        assert set(o["shares"]) == {"kv_proj", "qo_proj", "mlp", "cache_update", "attention_other", "lm_head", "other"}
+        assert o["total_s"] > 0 and all(v >= 0 for v in o["shares"].values())
+    assert not hasattr(m.model.layers[0], "_vskipper_context")
+
+
+def test_command_runs_tiny(tmp_path, monkeypatch):
+    import argparse
+
+    from impl.vskipper import commands
+    from impl.vskipper.bench_report import bench_tables, report_section
+
+    cfg = {"seed": 0, "threads": 1, "device": "cpu", "dtype": "float32"}
+    monkeypatch.setattr("impl.cli._config", lambda args: cfg)
+    monkeypatch.setattr("impl.vskipper.commands.log", commands.log)
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+
+    def add(name, fn, help_):
+        sp = sub.add_parser(name)
+        sp.add_argument("--quiet", action="store_true")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    commands.register(add)
+    out, summ = tmp_path / "w.jsonl", tmp_path / "w.json"
+    args = p.parse_args(["vskipper-bench", "--quiet", "--wide", "--wide-hidden", "32", "--wide-intermediate", "64",
+                         "--wide-layers", "4", "--wide-heads", "2", "--prefill-tokens", "128", "--prompt-len", "64",
+                         "--decode-requests", "4", "--decode-context", "8", "--repeats", "1", "--warmup", "0",
+                         "--r", "0.5", "--d", "0.5", "--profile-repeats", "1", "--profile-steps", "1",
+                         "--profile-requests", "4", "--out", str(out), "--summary", str(summ)])
+    args.fn(args)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert {r["arm"] for r in rows} == {"upstream", "all_run", "random_r0.5_d0.5", "hybrid_random_r0.5_d0.5"}
+    s = json.loads(summ.read_text())
+    assert s["label"] == "wide" and s["targets"]["all_run"] in ("PASS", "FAIL")
+    assert {"all_run", "prefill_flop", "hybrid_dense"} <= set(s["targets"])
+    dfs = bench_tables([summ], tmp_path / "tables")
+    assert len(dfs["vskipper_bench"]) == len(rows) and len(dfs["vskipper_bench_targets"]) == 1
+    lines = report_section(tmp_path / "tables", tmp_path, tmp_path)
+    text = "\n".join(lines)
+    assert "all-RUN" in text and "wide" in text and "Where decode time goes" in text

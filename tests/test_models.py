@@ -26,7 +26,8 @@ def test_layer_runner_with_cache_matches_full(tiny_model):
     cache = DynamicCache(config=tiny_model.config)
     part1 = hidden_states_by_depth(tiny_model, x[:, :4], cache=cache)
     part2 = hidden_states_by_depth(tiny_model, x[:, 4:], cache=cache)
-    torch.testing.assert_close(torch.cat([part1, part2], dim=2), full, rtol=1e-5, atol=1e-5)
+    # fp32 sums in a different order (cache vs one pass; thread count changes the kernels): 1e-4
+    torch.testing.assert_close(torch.cat([part1, part2], dim=2), full, rtol=1e-4, atol=1e-4)
 
 
 def test_run_layers_in_two_ranges(tiny_model):

@@ -162,6 +162,15 @@ def dex_fig3(arms: pd.DataFrame, path: str | Path) -> None:
     _save(fig, path)
 
 
+def _paired_bars(ax, t: pd.DataFrame, labels: list[str], a: tuple[str, str], b: tuple[str, str]) -> None:
+    """Two bars per row of ``t``: columns ``a[0]`` and ``b[0]`` labelled ``a[1]`` and ``b[1]``."""
+    x = range(len(t))
+    ax.bar([i - 0.2 for i in x], t[a[0]], 0.4, label=a[1])
+    ax.bar([i + 0.2 for i in x], t[b[0]], 0.4, label=b[1])
+    ax.set_xticks(list(x), labels, fontsize=6)
+    ax.legend(fontsize=7)
+
+
 def dex_fig4(arms: pd.DataFrame, path: str | Path) -> None:
     """DEX Fig. 4 shape: left, resolution scaling (depth-side and projected K-device speedup vs K);
     right-top, single exit vs full exploration; right-bottom, vanilla vs DECS at each temperature.
@@ -184,12 +193,8 @@ def dex_fig4(arms: pd.DataFrame, path: str | Path) -> None:
             rows.append({"variant": r.variant, "K": r.K, "single": r.depth_speedup, "full": full["depth_speedup"].iloc[0]})
     if rows:
         t = pd.DataFrame(rows).groupby(["variant", "K"]).mean().reset_index()
-        labels = [f"{v}\nK={int(k)}" for v, k in zip(t["variant"], t["K"])]
-        x = range(len(t))
-        axes[1].bar([i - 0.2 for i in x], t["single"], 0.4, label="single exit")
-        axes[1].bar([i + 0.2 for i in x], t["full"], 0.4, label="full exploration")
-        axes[1].set_xticks(list(x), labels, fontsize=6)
-        axes[1].legend(fontsize=7)
+        _paired_bars(axes[1], t, [f"{v}\nK={int(k)}" for v, k in zip(t["variant"], t["K"])],
+                     ("single", "single exit"), ("full", "full exploration"))
     axes[1].set_title("single exit vs full exploration")
     axes[1].set_ylabel("depth-side speedup")
     decs = arms[(arms.figure == "fig4_decs") & arms.arm.str.contains("-decs")]
@@ -201,12 +206,8 @@ def dex_fig4(arms: pd.DataFrame, path: str | Path) -> None:
                          "decs": r.depth_speedup})
     if rows:
         t = pd.DataFrame(rows).groupby(["variant", "T"]).mean().reset_index()
-        labels = [f"{v}\nT={T:g}" for v, T in zip(t["variant"], t["T"])]
-        x = range(len(t))
-        axes[2].bar([i - 0.2 for i in x], t["vanilla"], 0.4, label="vanilla")
-        axes[2].bar([i + 0.2 for i in x], t["decs"], 0.4, label="DECS")
-        axes[2].set_xticks(list(x), labels, fontsize=6)
-        axes[2].legend(fontsize=7)
+        _paired_bars(axes[2], t, [f"{v}\nT={T:g}" for v, T in zip(t["variant"], t["T"])],
+                     ("vanilla", "vanilla"), ("decs", "DECS"))
     axes[2].set_title("vanilla vs DECS")
     axes[2].set_ylabel("depth-side speedup")
     _save(fig, path)

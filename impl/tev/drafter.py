@@ -804,6 +804,21 @@ def evaluate_drafter(drafter: BlockDrafter, sequences: list[tuple[list[int], int
             "chain_tau": sum(taus) / max(len(taus), 1)}
 
 
+def drafter_optimizer(drafter, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the drafter's parameters with linear warm-up, then cosine decay to 10% of ``cfg.lr``
+    over ``cfg.steps`` (shared by :func:`train_drafter` and :func:`impl.tev.train.train_exittrain`;
+    ``cfg`` needs ``lr, betas, weight_decay, warmup_steps, steps``)."""
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+    def lr_at(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        prog = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+
+
 def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
                   cfg: DrafterTrainConfig = DrafterTrainConfig(), drafter: BlockDrafter | None = None,
                   data: RolloutData | None = None) -> tuple[BlockDrafter, dict]:
@@ -871,15 +886,7 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
 
     H = drafter.block_size
     weights = position_weights(H, cfg.gamma, dev)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-
-    def lr_at(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        prog = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt, sched = drafter_optimizer(drafter, cfg)
     losses: list[float] = []
     drafter.train()
     t0 = time.perf_counter()

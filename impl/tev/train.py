@@ -67,7 +67,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Sequence
@@ -84,6 +83,7 @@ from .drafter import (
     _pad_batch,
     _sample_anchors,
     block_loss,
+    drafter_optimizer,
     evaluate_drafter,
     position_weights,
 )
@@ -658,15 +658,7 @@ def train_exittrain(target, drafter_init: BlockDrafter, rollouts: RolloutData, c
 
     gen = torch.Generator().manual_seed(cfg.seed)
     weights = position_weights(H, cfg.gamma, dev)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-
-    def lr_at(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        prog = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt, sched = drafter_optimizer(drafter, cfg)
     losses = {"total": [], "token": [], "exit": []}
     train_tau: list[float] = []
     order = hashlib.sha1()

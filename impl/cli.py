@@ -13,6 +13,7 @@ import os
 import logging
 import sys
 from pathlib import Path
+from .workloads.prompts import read_prompts
 
 log = logging.getLogger("impl")
 
@@ -159,7 +160,7 @@ def cmd_tokenize(args) -> None:
 
     cfg = _config(args)
     tok = load_tokenizer(args.model_dir)
-    rows, summary = tokenize_suite(read_jsonl(args.prompts), tok, cfg["max_prompt_tokens"], cfg["overlong_prompt"])
+    rows, summary = tokenize_suite(read_prompts(args.prompts), tok, cfg["max_prompt_tokens"], cfg["overlong_prompt"])
     write_jsonl(args.out, rows)
     log.info("tokenized %s: %s", args.prompts, summary)
 
@@ -179,8 +180,8 @@ def cmd_ead(args) -> None:
 
     cfg = _config(args)
     _threads(cfg)
+    prompts = read_prompts(args.prompts)
     model = _load(cfg, args.model_dir)
-    prompts = read_jsonl(args.prompts)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     n = args.max_new_tokens or cfg["ead"]["max_new_tokens"]
@@ -213,7 +214,7 @@ def cmd_ead_shared(args) -> None:
     for m, f in zip(args.models, args.ead):
         for r in sorted((r for r in read_jsonl(f) if "error" not in r), key=lambda r: r["t"]):
             gens.setdefault((m, r["prompt_id"]), []).append(r["token_id"])
-    rows = shared_rows(models, read_jsonl(args.prompts), gens)
+    rows = shared_rows(models, read_prompts(args.prompts), gens)
     prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
     for r in rows:
         r.update(**prov)
@@ -229,7 +230,7 @@ def cmd_ar_bench(args) -> None:
     _threads(cfg)
     model = _load(cfg, args.model_dir)
     b = cfg["ar_bench"]
-    prompts = [p for p in read_jsonl(args.prompts) if p.get("input_ids")]
+    prompts = [p for p in read_prompts(args.prompts) if p.get("input_ids")]
     eos = model.config.eos_token_id if cfg["ead"]["stop_at_eos"] else None
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -303,7 +304,7 @@ def cmd_decode(args) -> None:
 
         adapters = load_adapters(args.adapters, model)
     try:
-        rows = decode_prompts(model, tok, read_jsonl(args.prompts), args.method, params, rule, args.max_new_tokens,
+        rows = decode_prompts(model, tok, read_prompts(args.prompts), args.method, params, rule, args.max_new_tokens,
                               eos, progress=not args.quiet, adapters=adapters)
     except (KeyError, TypeError) as e:
         raise SystemExit(f"error: bad --params for {args.method}: {e}") from None
@@ -336,7 +337,7 @@ def cmd_dex_cell(args) -> None:
 
         adapters = load_adapters(args.adapters, model)
     L = num_layers(model)
-    suite = [p for p in read_jsonl(args.prompts) if p.get("input_ids")]
+    suite = [p for p in read_prompts(args.prompts) if p.get("input_ids")]
     n, nt = d["n_prompts"], d["baselines"]["tune_prompts"]
     prompts, tune = suite[:n], suite[n:n + nt]
     if len(prompts) < n or (not adapters and len(tune) < nt):

@@ -111,6 +111,25 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
         unknown = sorted(set(params) - set(BASELINE_PARAMS[name]))
         if unknown:
             raise ValueError(f"{name}: unknown parameter(s) {unknown}; allowed: {', '.join(BASELINE_PARAMS[name])}")
+        required = {"self_spec": ("exit_layer", "num_speculations"),
+                    "adadecode": ("shortcut_layers", "threshold", "num_speculations")}.get(name, ())
+        missing = [k for k in required if k not in params]
+        if missing:
+            raise ValueError(f"{name}: missing parameter(s) {missing}; needs {', '.join(required)}")
+        # every value checked once here, before any prompt is decoded (the decoders check again)
+        if name == "self_spec":
+            from .spec.self_spec import check_self_spec_params
+
+            check_self_spec_params(L, params["exit_layer"], params["num_speculations"])
+        elif name == "adadecode":
+            from .spec.adadecode import check_adadecode_params
+
+            check_adadecode_params(L, params["shortcut_layers"], params["threshold"], params["num_speculations"])
+        else:
+            from .spec.dynamic_exit import check_dynamic_exit_params
+
+            check_dynamic_exit_params(L, params.get("exit_layers"), params.get("num_speculations", 8),
+                                      params.get("confidence_threshold", 0.5))
         if name == "self_spec":
             from .spec.self_spec import self_spec_decode
 

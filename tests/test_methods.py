@@ -34,6 +34,23 @@ def test_bad_parameters(tiny_model):
         build_method("self_spec", tiny_model, DecodeRule(), {"exit_layer": 3, "num_speculations": 2, "x": 1})
     with pytest.raises(ValueError, match="unknown method"):
         build_method("nope", tiny_model, DecodeRule(), {})
-    rows = decode_prompts(tiny_model, None, [{"id": "a", "input_ids": [1, 2]}], "self_spec",
-                          {"exit_layer": 12, "num_speculations": 2}, DecodeRule(), 4, None)
-    assert "exit_layer" in rows[0]["error"]
+    # out-of-range or missing values fail once, before any prompt is decoded (not as per-row errors)
+    with pytest.raises(ValueError, match="exit_layer"):
+        decode_prompts(tiny_model, None, [{"id": "a", "input_ids": [1, 2]}], "self_spec",
+                       {"exit_layer": 12, "num_speculations": 2}, DecodeRule(), 4, None)
+
+
+@pytest.mark.parametrize("name,params,needle", [
+    ("self_spec", {}, "missing parameter"),
+    ("self_spec", {"exit_layer": 99, "num_speculations": 2}, "exit_layer"),
+    ("self_spec", {"exit_layer": 3, "num_speculations": 0}, "num_speculations"),
+    ("adadecode", {"shortcut_layers": [4, 8], "threshold": 0.5}, "missing parameter"),
+    ("adadecode", {"shortcut_layers": [8, 4], "threshold": 0.5, "num_speculations": 2}, "increasing"),
+    ("adadecode", {"shortcut_layers": [4, 12], "threshold": 0.5, "num_speculations": 2}, r"\[1, 11\]"),
+    ("adadecode", {"shortcut_layers": [4], "threshold": 1.5, "num_speculations": 2}, "threshold"),
+    ("dynamic_exit", {"exit_layers": [0, 3]}, "exit_layers"),
+    ("dynamic_exit", {"confidence_threshold": -1}, "confidence_threshold"),
+])
+def test_baseline_parameters_checked_before_decoding(tiny_model, name, params, needle):
+    with pytest.raises(ValueError, match=needle):
+        build_method(name, tiny_model, DecodeRule(), params)

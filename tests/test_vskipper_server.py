@@ -429,9 +429,10 @@ def test_parse_skipper_spec(model_dir, tmp_path):
     sk = parse_skipper_spec("random:r=1,d=1,seed=4,layers=0+2-3,layer_choice=fixed", model)
     assert sk.routed_layers == (0, 2, 3) and sk.layer_choice == "fixed" and sk.seed == 4
     assert isinstance(parse_skipper_spec("static:n_run=1,layers=1-3", model), StaticDepthSkipper)
+    assert isinstance(parse_skipper_spec("static-depth:n_run=1", model), StaticDepthSkipper)  # registered name
     assert parse_layers("6-8+1", 12) == [1, 6, 7, 8]
     for bad in ("randomskip:r=0.5", "randomskip:r=0.5,d=0.5,zz=1", "randomskip:r=0.5,d=0.5,layers=3-9", "",
-                "nosuch:x=1", "randomskip:r"):
+                "nosuch:x=1", "randomskip:r", "static-depth:layers=2-3", "random:r=0.5,d=0.5,bogus=1"):
         with pytest.raises(ValueError):
             parse_skipper_spec(bad, model)
     ck = FlexiDepthSkipper.for_model(model, [2, 3]).save(tmp_path / "ck", extra={"num_hidden_layers": 4})

@@ -100,8 +100,11 @@ def test_build_text_suite_deterministic_and_seeded():
     assert a == b
     assert [r["source_id"] for r in a] != [r["source_id"] for r in c]
     assert [r["id"] for r in a] == [f"gsm8k-{k:04d}" for k in range(20)]
+    # nested samples: more prompts append, the first ones (and their ids) stay
+    longer = build_text_suite("gsm8k", DATA_DIR, 36, 0, DEFAULT_TEMPLATES["gsm8k"])
+    assert longer[:20] == a
     idx = [int(r["source_id"].split("-")[1]) for r in a]
-    assert idx == sorted(idx)
+    assert idx != sorted(idx) and len(set(idx)) == 20
     assert a[0]["text"].startswith("Question: ") and a[0]["text"].endswith("\nAnswer:")
     assert set(a[0]) == {"id", "suite", "source_id", "text"}
     full = build_text_suite("mt_bench", DATA_DIR, 1000, 3, "{turn1}")

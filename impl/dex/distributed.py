@@ -58,6 +58,7 @@ from ..ead.accounting import uniform_exploration_set, validate_exploration_set
 from ..models.depth import embed, num_layers, run_layers
 from ..spec.ar import ar_decode
 from ..spec.sampling import DecodeRule
+from ..workloads.prompts import read_prompts
 from .decoder import DEXDecoder
 from .reference import ReferenceExecutor, StageBatch, StageResult
 
@@ -827,7 +828,7 @@ def main(argv: list[str] | None = None) -> None:
             ex.serve()
             return
         with ex:
-            rows = _decode_all(ex, args, read_jsonl(args.prompts), rule, X, backend,
+            rows = _decode_all(ex, args, read_prompts(args.prompts), rule, X, backend,
                                lambda: load_tokenizer(args.model))
         prov = provenance({"method": "dex", "executor": "distributed", "exploration_set": list(X),
                            "decs": args.decs, "single_exit": args.single_exit, "dedupe": args.dedupe,

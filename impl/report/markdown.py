@@ -18,6 +18,25 @@ def _fmt(df: pd.DataFrame) -> str:
     return df.to_markdown(index=False, floatfmt=".3f")
 
 
+def _section_check_summary(section_lines: list[str]) -> list[str]:
+    """Per-section tally of the PASS / FAIL verdict lines of the method sections, with every FAIL line
+    repeated, so the top of the report shows every check at a glance (each section keeps its details)."""
+    tally: dict[str, list[str]] = {}
+    heading = None
+    for line in section_lines:
+        if line.startswith("## "):
+            heading = line[3:].strip()
+        elif heading and ("**PASS**" in line or "**FAIL**" in line):
+            tally.setdefault(heading, []).append(line)
+    out = []
+    for heading, checks in tally.items():
+        fails = [c for c in checks if "**FAIL**" in c]
+        out.append(f"- {heading}: **{len(checks) - len(fails)}/{len(checks)} PASS** (details in its section)")
+        for c in fails:
+            out.append(f"  - FAIL: {c.lstrip('- ').strip()}")
+    return out
+
+
 def build_report(
     out: str | Path,
     *,
@@ -94,6 +113,7 @@ def build_report(
         resolved = int(((shared["ci_high"] < 0) & shared["resolved"]).sum())
         lines.append(f"- the same on shared contexts (both models teacher-forced on both models' generations): "
                      f"**{'PASS' if lower else 'FAIL'}** (resolved below zero on {resolved}/{len(shared)} workloads)")
+    lines += _section_check_summary(list(sections or []))
     lines += ["", "## Training", "",
               "Tiny Llama models trained inside the DAG on GSM8K train, the ShareGPT subset and Python "
               "standard-library code (same data, order and budget; the early-exit model adds a "

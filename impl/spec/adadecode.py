@@ -41,6 +41,7 @@ Layer-work accounting (prompt prefill excluded; see :mod:`impl.spec.self_spec`):
 from __future__ import annotations
 
 import time
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -126,6 +127,32 @@ def uniform_shortcut_layers(L: int, stride: int) -> list[int]:
     return list(range(stride, L, stride))
 
 
+def check_adadecode_params(L: int, shortcut_layers: Any, threshold: Any,
+                           max_speculations: Any) -> tuple[list[int], float, int]:
+    """Validate AdaDecode parameters for an ``L``-layer model before decoding.
+
+    Returns:
+        ``(shortcut_layers, threshold, max_speculations)``: sorted ints, float, int.
+
+    Raises:
+        ValueError: empty / unsorted / out-of-range (outside ``[1, L-1]``) ``shortcut_layers``,
+            ``threshold`` outside [0, 1], ``max_speculations`` < 1; the message names the parameter.
+    """
+    try:
+        shortcuts = [int(x) if not isinstance(x, bool) and int(x) == x else None for x in shortcut_layers]
+    except (TypeError, ValueError):
+        raise ValueError(f"shortcut_layers must be a sequence of ints, got {shortcut_layers!r}") from None
+    if not shortcuts or None in shortcuts:
+        raise ValueError(f"shortcut_layers must be a non-empty sequence of ints, got {shortcut_layers!r}")
+    if any(b <= a for a, b in zip(shortcuts, shortcuts[1:])):
+        raise ValueError(f"shortcut_layers {shortcuts} must be strictly increasing")
+    if shortcuts[0] < 1 or shortcuts[-1] > L - 1:
+        raise ValueError(f"shortcut_layers {shortcuts} must lie in [1, {L - 1}] (L={L})")
+    thr = _check_float("threshold", threshold, 0.0, 1.0)
+    cap = _check_int("max_speculations", max_speculations, 1)
+    return shortcuts, thr, cap
+
+
 @torch.no_grad()
 def adadecode_decode(
     model,
@@ -164,18 +191,7 @@ def adadecode_decode(
     """
     L = num_layers(model)
     ids = _check_decode_args(model, input_ids, max_new_tokens, eos_token_id)
-    try:
-        shortcuts = [int(x) if not isinstance(x, bool) and int(x) == x else None for x in shortcut_layers]
-    except (TypeError, ValueError):
-        raise ValueError(f"shortcut_layers must be a sequence of ints, got {shortcut_layers!r}") from None
-    if not shortcuts or None in shortcuts:
-        raise ValueError(f"shortcut_layers must be a non-empty sequence of ints, got {shortcut_layers!r}")
-    if any(b <= a for a, b in zip(shortcuts, shortcuts[1:])):
-        raise ValueError(f"shortcut_layers {shortcuts} must be strictly increasing")
-    if shortcuts[0] < 1 or shortcuts[-1] > L - 1:
-        raise ValueError(f"shortcut_layers {shortcuts} must lie in [1, {L - 1}] (L={L})")
-    thr = _check_float("threshold", threshold, 0.0, 1.0)
-    cap = _check_int("max_speculations", max_speculations, 1)
+    shortcuts, thr, cap = check_adadecode_params(L, shortcut_layers, threshold, max_speculations)
     short = set(shortcuts)
 
     rx = _Runner(model)

@@ -34,6 +34,7 @@ Accounting is LayerSkip's per round (see :mod:`impl.spec.self_spec`): ``layer_wo
 from __future__ import annotations
 
 import time
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +83,34 @@ def token_per_layer(alpha: float, exit_layer: int, speculation_length: int, L: i
     return sum(alpha ** i for i in range(speculation_length + 1)) / (speculation_length * exit_layer + L)
 
 
+def check_dynamic_exit_params(L: int, exit_layers: Any, max_speculations: Any,
+                              confidence_threshold: Any) -> tuple[list[int], int, float]:
+    """Validate DEL parameters for an ``L``-layer model before decoding.
+
+    Returns:
+        ``(exit_layers, max_speculations, confidence_threshold)``; ``exit_layers`` sorted, every
+        layer in ``[1, L-1]`` when ``None`` was given.
+
+    Raises:
+        ValueError: ``L`` < 2, empty / duplicate / out-of-range ``exit_layers``,
+            ``max_speculations`` < 1, ``confidence_threshold`` outside [0, 1].
+    """
+    if L < 2:
+        raise ValueError(f"DEL needs a model with >= 2 layers, got L={L}")
+    if exit_layers is None:
+        cands = list(range(1, L))
+    else:
+        cands = [_check_int("exit_layers entry", e, 1, L - 1) for e in exit_layers]
+        if not cands:
+            raise ValueError("exit_layers is empty")
+        if len(set(cands)) != len(cands):
+            raise ValueError(f"exit_layers {cands} has duplicates")
+        cands = sorted(cands)
+    dmax = _check_int("max_speculations", max_speculations, 1)
+    thr = _check_float("confidence_threshold", confidence_threshold, 0.0, 1.0)
+    return cands, dmax, thr
+
+
 @torch.no_grad()
 def dynamic_exit_decode(
     model,
@@ -122,19 +151,7 @@ def dynamic_exit_decode(
     """
     L = num_layers(model)
     ids = _check_decode_args(model, input_ids, max_new_tokens, eos_token_id)
-    if L < 2:
-        raise ValueError(f"DEL needs a model with >= 2 layers, got L={L}")
-    if exit_layers is None:
-        cands = list(range(1, L))
-    else:
-        cands = [_check_int("exit_layers entry", e, 1, L - 1) for e in exit_layers]
-        if not cands:
-            raise ValueError("exit_layers is empty")
-        if len(set(cands)) != len(cands):
-            raise ValueError(f"exit_layers {cands} has duplicates")
-        cands = sorted(cands)
-    dmax = _check_int("max_speculations", max_speculations, 1)
-    thr = _check_float("confidence_threshold", confidence_threshold, 0.0, 1.0)
+    cands, dmax, thr = check_dynamic_exit_params(L, exit_layers, max_speculations, confidence_threshold)
     beta = _check_float("decay", decay, 0.0, 1.0, lo_open=True)
     a0 = _check_float("prior_acceptance", prior_acceptance, 0.0, 1.0)
     w0 = _check_float("prior_weight", prior_weight, 0.0, float("inf"), lo_open=True)

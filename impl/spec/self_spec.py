@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -353,6 +353,21 @@ class _SelfSpecEngine:
 # --------------------------------------------------------------------------------------------------
 
 
+def check_self_spec_params(L: int, exit_layer: Any, num_speculations: Any) -> tuple[int, int]:
+    """Validate LayerSkip self-speculation parameters for an ``L``-layer model before decoding.
+
+    Returns:
+        ``(exit_layer, num_speculations)`` as ints.
+
+    Raises:
+        ValueError: ``L`` < 2, ``exit_layer`` outside ``[1, L-1]``, ``num_speculations`` < 1, or a
+            non-integer value; the message names the parameter.
+    """
+    if L < 2:
+        raise ValueError(f"self-speculation needs a model with >= 2 layers, got L={L}")
+    return _check_int("exit_layer", exit_layer, 1, L - 1), _check_int("num_speculations", num_speculations, 1)
+
+
 @torch.no_grad()
 def self_spec_decode(
     model,
@@ -389,10 +404,7 @@ def self_spec_decode(
     """
     L = num_layers(model)
     ids = _check_decode_args(model, input_ids, max_new_tokens, eos_token_id)
-    if L < 2:
-        raise ValueError(f"self-speculation needs a model with >= 2 layers, got L={L}")
-    E = _check_int("exit_layer", exit_layer, 1, L - 1)
-    k = _check_int("num_speculations", num_speculations, 1)
+    E, k = check_self_spec_params(L, exit_layer, num_speculations)
     eng = _SelfSpecEngine(model, ids, max_new_tokens, rule, eos_token_id)
     _sync(eng.rx.device)
     t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from ..workloads.prompts import read_prompts
 
 log = logging.getLogger("impl")
 
@@ -87,7 +88,7 @@ def cmd_tev_cell(args) -> None:
     drafters = {k: BlockDrafter.load(root / k, target) for k in DRAFTER_KEYS if (root / k).is_dir()}
     if "base" not in drafters:
         raise FileNotFoundError(f"no base drafter under {root} (built by the tev_train rule / python -m impl tev-train)")
-    prompts = [p for p in read_jsonl(args.prompts) if p.get("input_ids")][: t["n_prompts"]]
+    prompts = [p for p in read_prompts(args.prompts) if p.get("input_ids")][: t["n_prompts"]]
     arms = tev_arms(t["budget"], t["budgets"], tuple(drafters))
     eos = target.config.eos_token_id if t["stop_at_eos"] else None
     rows = run_tev_cell(target, drafters, prompts, arms, temperatures=t["temperatures"], depth=t["depth"],
@@ -114,7 +115,7 @@ def cmd_tev_latency(args) -> None:
     torch.set_num_threads(cfg["threads"])
     target = _load(cfg, args.model_dir)
     drafter = BlockDrafter.load(Path(args.drafters) / "base", target)
-    prompts = [p["input_ids"] for p in read_jsonl(args.prompts) if p.get("input_ids")][: t["n_prompts"]]
+    prompts = [p["input_ids"] for p in read_prompts(args.prompts) if p.get("input_ids")][: t["n_prompts"]]
     from functools import partial
 
     from .verify import predraw_follow, sequential_residual, tev

@@ -234,7 +234,7 @@ def parse_skipper_spec(spec: Any, model=None) -> Skipper:
     - ``"flexidepth:DIR"`` / ``"flexidepth:checkpoint=DIR"`` or a bare checkpoint directory: a
       FlexiDepth checkpoint (:func:`~impl.vskipper.flexidepth.load_flexidepth`, checked against
       ``model``);
-    - ``"static:n_run=N[,layers=L]"``: :class:`~impl.vskipper.skipper.StaticDepthSkipper`;
+    - ``"static:n_run=N[,layers=L]"`` (also ``static-depth:``): :class:`~impl.vskipper.skipper.StaticDepthSkipper`;
     - ``"NAME:k=v,..."``: any registered policy (:func:`~impl.vskipper.skipper.build_skipper`), values
       parsed as int / float / bool / None / str;
     - a mapping ``{"name": NAME, **kwargs}`` (same names).
@@ -310,7 +310,7 @@ def parse_skipper_spec(spec: Any, model=None) -> Skipper:
         if kw:
             raise ValueError(f"flexidepth: unknown parameters {sorted(kw)}")
         return load_flexidepth(path, model)
-    if name == "static":
+    if name in ("static", "static-depth", "static_depth"):
         kw = params()
         layers = layers_of(kw)
         if "n_run" not in kw:
@@ -326,7 +326,10 @@ def parse_skipper_spec(spec: Any, model=None) -> Skipper:
         kw = {k: _literal(v) for k, v in kw.items()}
     if "layers" in kw and "routed_layers" not in kw:
         kw["routed_layers"] = layers_of(kw)
-    return build_skipper(name, **kw)
+    try:
+        return build_skipper(name, **kw)
+    except TypeError as exc:  # wrong / missing keyword for the registered policy's constructor
+        raise ValueError(f"skipper {name!r}: bad parameters {sorted(kw)} ({exc})") from None
 
 
 def _describe_skipper(sk: Skipper | None) -> dict | None:
@@ -1626,7 +1629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="Hugging Face model directory (with tokenizer)")
     ap.add_argument("--arm", default="hybrid", choices=ARMS)
     ap.add_argument("--skipper", default=None,
-                    help="randomskip:r=R,d=D[,seed=S,layers=A-B] | flexidepth:DIR | static:n_run=N | NAME:k=v,...")
+                    help="randomskip:r=R,d=D[,seed=S,layers=A-B] | flexidepth:DIR | static:n_run=N[,layers=A-B] (alias static-depth:) | NAME:k=v,...")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     ap.add_argument("--served-model-name", default=None)

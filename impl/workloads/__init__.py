@@ -12,6 +12,7 @@ from impl.workloads.suites import (
     check_data,
     load_records,
 )
+from impl.workloads.prompts import read_prompts
 from impl.workloads.tokenize import OVERLONG_RULES, tokenize_suite
 
 __all__ = [
@@ -23,5 +24,6 @@ __all__ = [
     "build_text_suite",
     "check_data",
     "load_records",
+    "read_prompts",
     "tokenize_suite",
 ]

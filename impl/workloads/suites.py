@@ -236,9 +236,12 @@ def build_text_suite(
 ) -> list[dict]:
     """Seeded sample of ``n_prompts`` records of ``suite`` rendered through ``template``.
 
-    Sampling uses ``random.Random(f"{suite}:{seed}")`` without replacement; the sample is then
-    sorted by original record index. All records are taken (in file order) when ``n_prompts`` is
-    at least the suite size. Same inputs give identical rows.
+    The sample is the first ``n_prompts`` entries of a seeded permutation of the records
+    (``random.Random(f"{suite}:{seed}").shuffle``), kept in permutation order, so samples are nested:
+    raising ``n_prompts`` appends prompts and leaves the first ones (and their ids) unchanged, and
+    rules that evaluate "the first n prompts" of a suite see a random sample, not the file's head.
+    All records are taken (in file order) when ``n_prompts`` is at least the suite size. Same
+    inputs give identical rows.
 
     Args:
         suite (str): one of ``SUITES``.
@@ -271,8 +274,9 @@ def build_text_suite(
     if n_prompts >= len(records):
         idx = list(range(len(records)))
     else:
-        rng = random.Random(f"{suite}:{seed}")
-        idx = sorted(rng.sample(range(len(records)), n_prompts))
+        order = list(range(len(records)))
+        random.Random(f"{suite}:{seed}").shuffle(order)
+        idx = order[:n_prompts]
     rows = []
     for k, i in enumerate(idx):
         rec = records[i]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scipy.optimize import lsq_linear
 
 from ..config import split_variant
 from ..stats import paired_difference
@@ -166,7 +167,8 @@ def walltime_model_table(df: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
     S_wall = T (L + delta_AR) / sum_t (ceil(EAD(t))_X + delta_X(t)), everything in layer units.
     The per-layer cost c (s/layer) is the least-squares slope of explorer batch time on stage width
     (layers) over every batch of the cell's greedy DEX arms (the intercept is the fixed per-batch
-    cost: readout, decode, launch); delta_AR = AR s/token / c - L (AR's per-token overhead beyond
+    cost: readout, decode, launch), both constrained non-negative (``scipy.optimize.lsq_linear``); a
+    cell without a positive slope is left out; delta_AR = AR s/token / c - L (AR's per-token overhead beyond
     layers); delta_X = projected s/token / c - critical layers/token (DEX's per-token overhead:
     batched branches, masks, readouts, communication). By construction the calibrated model
     reproduces the measured projected speedup; the table's value is the decomposition: how much of
@@ -184,7 +186,12 @@ def walltime_model_table(df: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
         if ar.empty or dex.empty or len({w for w, _ in b}) < 2:
             continue
         w, sec = np.array(b, dtype=float).T
-        c, icpt = np.polyfit(w, sec, 1)
+        # non-negative least squares: a layer cannot cost negative time, nor a batch's fixed part;
+        # without a positive per-layer slope (degenerate timings) the decomposition has no meaning
+        fit = lsq_linear(np.column_stack([w, np.ones_like(w)]), sec, bounds=(0.0, np.inf))
+        c, icpt = (float(x) for x in fit.x)
+        if not c > 0:
+            continue
         L = int(cell["L"].iloc[0])
         ar_tok = ar["seconds"].sum() / ar["tokens"].sum()
         d_ar = ar_tok / c - L

@@ -23,6 +23,7 @@ include: "workflows/dex.smk"
 include: "workflows/tev.smk"
 include: "workflows/vskipper.smk"
 include: "workflows/vskipper_bench.smk"
+include: "workflows/vskipper_http.smk"
 include: "workflows/report.smk"
 
 

@@ -6,6 +6,12 @@ wider randomly initialised model (``--wide``), beside the FLOP accounting's pred
 (:mod:`impl.vskipper.bench`); writes the rows as JSONL and a summary JSON with the issue's targets as
 PASS / FAIL fields and a coarse decode profile.
 
+``vskipper-http-check``: the three engine arms (upstream, hybrid, always-route) of one model served
+in-process over HTTP and checked against the load generator's OpenAI-style client (``ignore_eos``,
+streaming, greedy ids equal to the arm run in process), lm-eval's ``local-completions`` on the offline
+GSM8K task, and the health / model / malformed-request endpoints (:mod:`impl.vskipper.http_check`);
+writes PASS / FAIL rows as CSV and a summary JSON.
+
 Settings: command-line flags; a flag left unset falls back to the optional config section
 ``vskipper.bench`` (same names with underscores), then to the defaults below.
 """
@@ -110,6 +116,62 @@ def cmd_vskipper_bench_tables(args) -> None:
     log.info("vskipper bench tables -> %s", args.out_dir)
 
 
+def cmd_vskipper_http_check(args) -> None:
+    """The three engine arms in process and behind HTTP on one model (impl.vskipper.http_check): rows as
+    CSV with PASS / FAIL verdicts and a summary JSON."""
+    import time
+
+    from impl.cli import _config, _threads
+    from impl.provenance import provenance
+
+    from .http_check import ARMS, CHECKS, HYBRID_SWITCH, check_arms, default_skipper_specs, write_outputs
+
+    cfg = _config(args)
+    _threads(cfg)
+    for name in ("ContinuousBatchingLogger", "lm_eval", "lm-eval"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    v = (cfg.get("vskipper") or {}) if isinstance(cfg, dict) else {}
+    rs = v.get("randomskip") or {}
+    q = v.get("quality") or {}
+    if args.skipper:
+        specs = list(args.skipper)
+    else:
+        rd = f"r={args.r},d={args.d},seed={int(rs.get('seed', 0))},layer_choice={rs.get('layer_choice', 'per_row')}"
+        specs = default_skipper_specs(args.flexidepth, rd)
+        if args.flexidepth and not specs[0].startswith("flexidepth:"):
+            raise SystemExit(f"error: --flexidepth {args.flexidepth} is not a FlexiDepth checkpoint "
+                             "(no flexidepth.json)")
+        if args.also_randomskip and specs[0].startswith("flexidepth:"):
+            specs.append(f"randomskip:{rd}")
+    num_fewshot = args.num_fewshot if args.num_fewshot is not None else q.get("gsm8k_num_fewshot")
+    max_gen = args.max_gen_toks or (q.get("max_gen_toks") or {}).get("gsm8k") or 32
+    settings = dict(model_dir=str(args.model_dir), prompts=str(args.prompts), arms=list(args.arms or ARMS),
+                    skippers=specs, n_prompts=args.n_prompts, max_tokens=args.max_tokens, limit=args.limit,
+                    num_fewshot=num_fewshot, max_gen_toks=int(max_gen), checks=list(args.checks or CHECKS),
+                    hybrid_switch=HYBRID_SWITCH, engine=v.get("engine"), data_dir=str(cfg["data_dir"]))
+    t0 = time.perf_counter()
+    rows = check_arms(args.model_dir, settings["arms"], specs, args.prompts, n_prompts=args.n_prompts,
+                      max_tokens=args.max_tokens, data_dir=cfg["data_dir"], limit=args.limit, num_fewshot=num_fewshot,
+                      max_gen_toks=int(max_gen), engine=v.get("engine"), label=args.label, dtype=cfg["dtype"],
+                      device=cfg["device"], seed=int(cfg["seed"]), checks=settings["checks"])
+    wall = time.perf_counter() - t0
+    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    summary = write_outputs(rows, args.out, args.summary,
+                            extra=dict(label=args.label or str(args.model_dir).rstrip("/").split("/")[-1],
+                                       settings=settings, wall_s=round(wall, 1), **prov))
+    fails = [r for r in rows if r["verdict"] != "PASS"]
+    log.info("%s: %d PASS / %d FAIL in %.0f s -> %s", args.model_dir, summary["counts"]["PASS"], len(fails), wall,
+             args.out)
+    for r in fails:
+        log.warning("FAIL %s %s [%s] %s: %s", r["model"], r["arm"], r["skipper"], r["check"], r["detail"])
+    if not args.quiet:
+        for r in rows:
+            sk = (r["skipper"] or "-").split(",seed=")[0]
+            print(f"{r['model']:10s} {r['arm']:13s} {sk:32s} {r['check']:14s} {r['verdict']}  {r['detail']}")
+    if fails and args.strict:
+        raise SystemExit(1)
+
+
 def register(add) -> None:
     """Add this module's commands to the ``python -m impl`` parser (``add(name, fn, help)``)."""
     sp = add("vskipper-bench", cmd_vskipper_bench,
@@ -139,6 +201,33 @@ def register(add) -> None:
     sp = add("vskipper-bench-tables", cmd_vskipper_bench_tables, "tables of the vSkipper step benchmark")
     sp.add_argument("--summaries", nargs="+", required=True, help="vskipper-bench summary JSON files")
     sp.add_argument("--out-dir", required=True, help="tables directory")
+    sp = add("vskipper-http-check", cmd_vskipper_http_check,
+             "engine arms (upstream, hybrid, always-route) in process and behind HTTP: OpenAI-style client with "
+             "ignore_eos, lm-eval local-completions, endpoints; PASS/FAIL rows")
+    sp.add_argument("--model-dir", required=True, help="HF model directory (with tokenizer)")
+    sp.add_argument("--prompts", required=True, help="workload suite JSONL with input_ids (rule workload_tokens)")
+    sp.add_argument("--flexidepth", help="FlexiDepth checkpoint directory: the routed arms' skipper "
+                                         "(default: RandomSkip r=--r, d=--d)")
+    sp.add_argument("--skipper", action="append", help="skipper spec(s) of the routed arms, overriding --flexidepth "
+                                                       "(repeatable; e.g. randomskip:r=0.5,d=0.5)")
+    sp.add_argument("--also-randomskip", action="store_true",
+                    help="with a FlexiDepth checkpoint, run the routed arms with RandomSkip too")
+    sp.add_argument("--r", type=float, default=0.5, help="RandomSkip row fraction (default 0.5)")
+    sp.add_argument("--d", type=float, default=0.5, help="RandomSkip layer fraction (default 0.5)")
+    sp.add_argument("--arms", nargs="+", help="arms (default: upstream hybrid always-route)")
+    sp.add_argument("--checks", nargs="+", help="checks (default: client_stream greedy_ids lm_eval endpoints)")
+    sp.add_argument("--n-prompts", type=int, default=4, help="requests per client check (default 4)")
+    sp.add_argument("--max-tokens", type=int, default=16, help="tokens per ignore_eos request (default 16)")
+    sp.add_argument("--limit", type=int, default=4, help="GSM8K documents evaluated by lm-eval (default 4)")
+    sp.add_argument("--num-fewshot", type=int, help="GSM8K few-shot (default: vskipper.quality.gsm8k_num_fewshot, "
+                                                    "else the task's 5)")
+    sp.add_argument("--max-gen-toks", type=int, help="lm-eval budget per document (default: "
+                                                     "vskipper.quality.max_gen_toks.gsm8k, else 32)")
+    sp.add_argument("--label", help="model column and served model name (default: the directory's name)")
+    sp.add_argument("--out", required=True, help="CSV rows to write")
+    sp.add_argument("--summary", help="summary JSON to write")
+    sp.add_argument("--strict", action="store_true", help="exit 1 when any row FAILs (outputs are written first)")
 
 
-__all__ = ["register", "cmd_vskipper_bench", "cmd_vskipper_bench_tables", "BENCH_DEFAULTS"]
+__all__ = ["register", "cmd_vskipper_bench", "cmd_vskipper_bench_tables", "cmd_vskipper_http_check",
+           "BENCH_DEFAULTS"]

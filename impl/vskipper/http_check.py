@@ -1,0 +1,672 @@
+"""Engine arms in process and behind HTTP: does every arm answer real clients, and answer them right?
+
+The paper serves each arm (``upstream``, ``hybrid``, ``always-route``; Sec. 4.1 "Arms") behind an
+HTTP server and drives it with an OpenAI-style load generator (``ignore_eos`` requests) and with
+lm-eval's ``local-completions`` client. :func:`check_arms` starts each arm of one model directory
+in-process on ``127.0.0.1:0`` (:func:`impl.vskipper.server.serve`) and runs four checks against it,
+one result row per (model, arm, skipper, check):
+
+``client_stream``
+    the load generator's OpenAI-style client (:class:`impl.serving.arms.HTTPCompletionsArm`, with
+    ``ignore_eos`` sent as the ``ignore_eos`` field and ``stream: true``) sends a few real prompts
+    (token-id lists from the workload suite files, ``results/workloads/<model>/<suite>.jsonl``) as
+    token-id prompts. PASS when every request finished without error with exactly ``max_tokens``
+    tokens (``usage.completion_tokens``), ``finish_reason == "length"``, the server counted the
+    prompt's tokens, and the streamed text equals the decoded in-process reference ids.
+``greedy_ids``
+    the same prompts again as streaming ``ignore_eos`` requests read by a plain SSE reader that keeps
+    each chunk's ``token_ids`` (this server's extension; the load generator's client keeps text
+    only). PASS when every request streamed exactly ``max_tokens`` token ids and they equal, id for
+    id, the same arm run in process (:func:`in_process_reference`: :func:`~impl.vskipper.engine.generate_greedy`
+    on a separately loaded copy of the model with the same skipper, mode, mode switch, request ids
+    and engine settings).
+``lm_eval``
+    ``lm_eval.simple_evaluate(model="local-completions", ...)`` against the arm's
+    ``/v1/completions`` (the model directory's Hugging Face tokenizer, token-id requests left-truncated
+    to the served context, greedy) on the first ``limit`` documents of the offline GSM8K task
+    (:func:`impl.quality.tasks.write_task_yamls` over ``data_dir``). PASS when it completed with a
+    finite ``exact_match,composite`` value and the server served one request per document.
+``endpoints``
+    ``GET /health`` (200, ``ok``, the arm), ``GET /v1/models`` (the served name), malformed requests
+    (invalid JSON, ``max_tokens: 0``, ``temperature > 0``, an unknown model, an out-of-vocabulary
+    token id, ``GET /v1/completions``) each answered with its 4xx, and afterwards a valid request still
+    served (200, exactly its ``max_tokens``) with ``/health`` 200 and no failed engine request.
+
+Determinism. Requests are sent one at a time, and the reference runs one prompt per engine call in
+the same order (one :class:`~impl.vskipper.mode.ModeController` carried across the calls for the
+hybrid arm), so the server and the reference see batches of the same composition; RandomSkip hashes
+the request id, which the client sends as ``X-Request-ID``. The hybrid arm's default switch
+(:data:`HYBRID_SWITCH`: no prefill token minimum, share prior 1.0 with probes off, decode routed from a
+load of one) routes every request at this load, so it exercises the switch's planner path while its
+decisions do not depend on arrival timing; pass ``switch=`` for another one (the reference replays
+it, but decisions that depend on timing can then make ``greedy_ids`` fail spuriously).
+
+Each row also records the routed share of the arm as the server saw it (``routed_share``: rows the
+arm ran in routed mode / all rows, from the mode switch's counters for ``hybrid``; 1 for
+``always-route``, 0 for ``upstream``) and the realised Project-Only share of the routed layers
+(``skip_share``, from ``/v1/vskipper/stats``), both cumulative over the server's life up to that check.
+
+:func:`write_outputs` writes the rows as CSV and a summary JSON atomically (a failed run leaves no
+partial file). Sources: vSkipper paper Sec. 4.1 (arms, clients), App. E.1 (served quality arms).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ARMS",
+    "CHECKS",
+    "COLUMNS",
+    "HYBRID_SWITCH",
+    "check_arms",
+    "default_skipper_specs",
+    "in_process_reference",
+    "load_prompts",
+    "write_outputs",
+]
+
+#: the paper's three serving arms (Sec. 4.1)
+ARMS = ("upstream", "hybrid", "always-route")
+#: the checks run per arm, in this order
+CHECKS = ("client_stream", "greedy_ids", "lm_eval", "endpoints")
+#: CSV columns, in order
+COLUMNS = ("model", "arm", "skipper", "check", "verdict", "detail", "requests", "max_tokens", "tokens_exact",
+           "ids_match", "text_match", "metric", "metric_value", "served_requests", "routed_share", "skip_share",
+           "wall_s")
+#: the hybrid arm's default mode switch (module docstring): routes every phase of every request at any
+#: load through the switch's planner, without timing-dependent probes
+HYBRID_SWITCH = dict(min_prefill_tokens=0, min_skip_share=0.0, probe_every=1_000_000, enter_threshold=1,
+                     initial_share=1.0)
+_LM_EVAL_METRIC = "exact_match,composite"
+_TIMEOUT_S = 300.0
+
+
+# ======================================================================================================
+# Inputs
+# ======================================================================================================
+def load_prompts(path: str | os.PathLike, n: int) -> tuple[list[list[int]], list[str]]:
+    """The first ``n`` token-id prompts of a workload suite file (rule ``workload_tokens``:
+    ``results/workloads/<model>/<suite>.jsonl``, one JSON object per line with ``id`` and
+    ``input_ids``); all of them when the file holds fewer.
+
+    Returns:
+        ``(prompts, ids)``: the token-id lists and the records' ids.
+
+    Raises:
+        FileNotFoundError: for a missing file; ValueError: for ``n < 1``, a file without records, or a
+            record without a non-empty ``input_ids`` list.
+    """
+    from impl.provenance import read_jsonl
+
+    if int(n) < 1:
+        raise ValueError(f"need at least one prompt, got n={n}")
+    rows = read_jsonl(path)
+    out, ids = [], []
+    for i, r in enumerate(rows[: int(n)]):
+        ii = r.get("input_ids")
+        if not isinstance(ii, list) or not ii:
+            raise ValueError(f"{path}: record {i} has no non-empty 'input_ids' list")
+        out.append([int(t) for t in ii])
+        ids.append(str(r.get("id", i)))
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out, ids
+
+
+def default_skipper_specs(flexidepth: str | os.PathLike | None = None,
+                          randomskip: str = "r=0.5,d=0.5") -> list[str]:
+    """The skipper specs of the routed arms (:func:`impl.vskipper.server.parse_skipper_spec` syntax):
+    the FlexiDepth checkpoint when one is given and present, else RandomSkip with ``randomskip``'s
+    parameters (``r=...,d=...[,seed=...,layers=...]``)."""
+    if flexidepth is not None and (Path(flexidepth) / "flexidepth.json").is_file():
+        return [f"flexidepth:{flexidepth}"]
+    return [f"randomskip:{randomskip}"]
+
+
+def _cb_overrides(model_dir: Path, engine: Mapping[str, Any] | None, n_prompts: int) -> tuple[dict, int]:
+    """Engine settings shared by the served arm and its reference (``vskipper.engine`` sizes); a
+    ``num_blocks`` of None sizes the paged cache for ``n_prompts`` full-context requests + 4 pages.
+    Returns ``(overrides, max_model_len)``."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    ctx = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
+    eng = {k: v for k, v in dict(engine or {}).items() if v is not None}
+    page = int(eng.get("page_size", 64))
+    eng["page_size"] = page
+    eng.setdefault("num_blocks", max(1, int(n_prompts)) * math.ceil((ctx + 1) / page) + 4)
+    return eng, ctx
+
+
+# ======================================================================================================
+# In-process reference
+# ======================================================================================================
+def in_process_reference(model_dir: str | os.PathLike, arm: str, skipper_spec: Any, prompts: Sequence[Sequence[int]],
+                         request_ids: Sequence[str], max_tokens: int, *, switch: Mapping[str, Any] | None = None,
+                         cb_overrides: Mapping[str, Any] | None = None, dtype: str = "float32",
+                         device: str = "cpu") -> list[list[int]]:
+    """The greedy token ids the arm produces in process, one prompt per engine call in order.
+
+    ``upstream``: :func:`~impl.vskipper.engine.generate_greedy` on the unmodified model (dense);
+    ``always-route``: on a model bound with the skipper (``mode="routed"``); ``hybrid``: routed with a
+    :class:`~impl.vskipper.mode.ModeController` of ``switch`` as planner, one controller carried across
+    the calls (the server keeps one for its life). Every request generates exactly ``max_tokens``
+    tokens (no EOS stop: the ``ignore_eos`` requests' reference).
+
+    Args:
+        model_dir: the Hugging Face model directory (loaded afresh here, on ``device`` in ``dtype``).
+        arm: ``upstream``, ``hybrid`` or ``always-route``.
+        skipper_spec: the routed arms' policy (:func:`~impl.vskipper.server.parse_skipper_spec`).
+        prompts, request_ids: the requests (the ids matter to RandomSkip).
+        max_tokens: tokens per request.
+        switch: ``ModeSwitch`` fields of the hybrid arm (default :data:`HYBRID_SWITCH`).
+        cb_overrides: :func:`~impl.vskipper.engine.routed_cb_config` overrides (as the server's).
+
+    Raises:
+        ValueError: for another arm or a routed arm without a skipper; RuntimeError: when the engine
+            fails a request.
+    """
+    import torch
+
+    from impl.models.load import load_model
+
+    from .engine import bind_skipper, generate_greedy, routed_cb_config, unbind_skipper
+    from .mode import ModeController, ModeSwitch
+    from .server import parse_skipper_spec
+
+    if arm not in ARMS:
+        raise ValueError(f"in-process reference for arm {arm!r}: choose from {', '.join(ARMS)}")
+    if arm != "upstream" and skipper_spec is None:
+        raise ValueError(f"arm {arm!r} needs a skipper spec")
+    model = load_model(model_dir, dtype=getattr(torch, dtype)).to(device)
+    cb = routed_cb_config(**dict(cb_overrides or {}))
+    out: list[list[int]] = []
+    if arm == "upstream":
+        for p, rid in zip(prompts, request_ids):
+            out += generate_greedy(model, [p], max_new_tokens=int(max_tokens), mode="dense", request_ids=[rid],
+                                   cb_config=cb)
+        return out
+    bind_skipper(model, parse_skipper_spec(skipper_spec, model))
+    try:
+        planner = ModeController(ModeSwitch(**dict(HYBRID_SWITCH if switch is None else switch))) \
+            if arm == "hybrid" else None
+        for p, rid in zip(prompts, request_ids):
+            out += generate_greedy(model, [p], max_new_tokens=int(max_tokens), mode="routed", request_ids=[rid],
+                                   cb_config=cb, planner=planner)
+    finally:
+        unbind_skipper(model)
+    return out
+
+
+# ======================================================================================================
+# HTTP helpers
+# ======================================================================================================
+def _http(url: str, path: str, body: Any = None, *, raw: bytes | None = None, method: str | None = None,
+          timeout: float = 60.0) -> tuple[int, Any]:
+    """One request; returns ``(status, parsed JSON or text)`` (HTTP errors are returned, not raised)."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url + path, data=data, method=method or ("GET" if data is None else "POST"),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode("utf-8", "replace")
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def _stream_ids(url: str, body: Mapping[str, Any], request_id: str, timeout: float = _TIMEOUT_S) -> dict:
+    """A streaming ``/v1/completions`` request read as server-sent events, keeping every chunk's
+    ``token_ids``, the last ``finish_reason``, the ``usage`` chunk and the request's ``vskipper`` modes.
+    Returns a dict with those and ``error`` (None on success)."""
+    out: dict[str, Any] = {"token_ids": [], "chunks": 0, "finish_reason": None, "usage": None, "vskipper": None,
+                           "done": False, "error": None}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(dict(body, stream=True)).encode(),
+                                 method="POST",
+                                 headers={"Content-Type": "application/json", "X-Request-ID": request_id})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    out["done"] = True
+                    break
+                obj = json.loads(payload)
+                if "error" in obj:
+                    out["error"] = str(obj["error"])
+                    break
+                if obj.get("usage"):
+                    out["usage"] = obj["usage"]
+                for ch in obj.get("choices") or []:
+                    out["chunks"] += 1
+                    out["token_ids"] += [int(t) for t in ch.get("token_ids") or []]
+                    if ch.get("finish_reason"):
+                        out["finish_reason"] = ch["finish_reason"]
+                    if ch.get("vskipper"):
+                        out["vskipper"] = ch["vskipper"]
+    except urllib.error.HTTPError as e:
+        out["error"] = f"HTTP {e.code}: {e.read().decode('utf-8', 'replace')[:300]}"
+    except Exception as e:  # connection errors, malformed stream
+        out["error"] = f"{type(e).__name__}: {e}"
+    if out["error"] is None and not out["done"]:
+        out["error"] = "stream ended without [DONE]"
+    return out
+
+
+def _token_id_client(base_url: str, model: str, tokenizer, name: str):
+    """The load generator's OpenAI-style client, sending token-id prompts (this server accepts them; the
+    client's text route would re-tokenize) and ``ignore_eos`` as the request field."""
+    from impl.serving.arms import HTTPCompletionsArm
+
+    class _TokenIdPrompts(HTTPCompletionsArm):
+        def body(self, input_ids, max_new_tokens, ignore_eos):
+            b = super().body(input_ids, max_new_tokens, ignore_eos)
+            b["prompt"] = [int(t) for t in input_ids]
+            return b
+
+    return _TokenIdPrompts(base_url, model, detokenize=lambda ids: tokenizer.decode(ids), name=name,
+                           ignore_eos_via="field", request_timeout_s=_TIMEOUT_S)
+
+
+def _shares(url: str, arm: str) -> tuple[float | None, float | None]:
+    """``(routed_share, skip_share)`` of the arm so far (module docstring)."""
+    code, st = _http(url, "/v1/vskipper/stats")
+    if code != 200 or not isinstance(st, dict):
+        return None, None
+    skip = (st.get("project_only_share") or {}).get("all")
+    if arm == "upstream":
+        return 0.0, None
+    if arm == "always-route":
+        return 1.0, skip
+    rows = ((st.get("mode_switch") or {}).get("rows") or {})
+    routed = sum(int((rows.get(k) or {}).get("routed", 0)) for k in ("prefill", "decode"))
+    dense = sum(int((rows.get(k) or {}).get("dense", 0)) for k in ("prefill", "decode"))
+    return (routed / (routed + dense) if routed + dense else None), skip
+
+
+def _row(model: str, arm: str, skipper: str | None, check: str, ok: bool, detail: str, **kw) -> dict:
+    row = {c: None for c in COLUMNS}
+    row.update(model=model, arm=arm, skipper=skipper or "", check=check, verdict="PASS" if ok else "FAIL",
+               detail=detail)
+    row.update({k: v for k, v in kw.items() if k in row})
+    return row
+
+
+# ======================================================================================================
+# The checks
+# ======================================================================================================
+def _check_client(server, tokenizer, prompts, rids, refs, max_tokens) -> dict:
+    """``client_stream``: the load generator's client, ``ignore_eos`` + streaming (module docstring)."""
+    arm = _token_id_client(server.url, server.engine.served_model_name, tokenizer, f"http-{server.engine.arm}")
+    arm.start()
+    traces = {}
+    try:
+        for rid, p in zip(rids, prompts):
+            arm.submit(rid, p, int(max_tokens), ignore_eos=True)
+            traces.update(arm.wait([rid], timeout_s=_TIMEOUT_S))
+    finally:
+        arm.stop()
+    problems, exact, text_ok = [], 0, 0
+    for rid, p, ref in zip(rids, prompts, refs):
+        tr = traces[rid]
+        if tr.error is not None:
+            problems.append(f"{rid}: {tr.error[:120]}")
+            continue
+        n_ok = tr.output_tokens == int(max_tokens) and tr.finish_reason == "length"
+        exact += int(n_ok)
+        if not n_ok:
+            problems.append(f"{rid}: {tr.output_tokens} tokens, finish {tr.finish_reason!r}")
+        if tr.prompt_tokens != len(p):
+            problems.append(f"{rid}: server counted {tr.prompt_tokens} prompt tokens, sent {len(p)}")
+        want = tokenizer.decode(ref, skip_special_tokens=True)
+        if tr.output_text == want:
+            text_ok += 1
+        else:
+            problems.append(f"{rid}: streamed text differs from the in-process ids' text")
+    n = len(rids)
+    ok = not problems and exact == n and text_ok == n
+    detail = (f"{n} streaming ignore_eos requests via HTTPCompletionsArm: {exact}/{n} exactly {max_tokens} tokens, "
+              f"{text_ok}/{n} texts equal in-process" + ("" if ok else "; " + "; ".join(problems[:4])))
+    return dict(ok=ok, detail=detail, requests=n, max_tokens=int(max_tokens), tokens_exact=exact == n,
+                text_match=text_ok == n)
+
+
+def _check_ids(server, prompts, rids, refs, max_tokens) -> dict:
+    """``greedy_ids``: streamed token ids vs the in-process reference (module docstring)."""
+    problems, exact, same, routed_req = [], 0, 0, 0
+    for rid, p, ref in zip(rids, prompts, refs):
+        got = _stream_ids(server.url, {"prompt": [int(t) for t in p], "max_tokens": int(max_tokens),
+                                       "temperature": 0, "ignore_eos": True}, rid)
+        if got["error"] is not None:
+            problems.append(f"{rid}: {got['error'][:120]}")
+            continue
+        ids = got["token_ids"]
+        n_ok = (len(ids) == int(max_tokens) and got["finish_reason"] == "length"
+                and (got["usage"] or {}).get("completion_tokens") == int(max_tokens))
+        exact += int(n_ok)
+        if not n_ok:
+            problems.append(f"{rid}: {len(ids)} ids, finish {got['finish_reason']!r}")
+        if ids == list(ref):
+            same += 1
+        else:
+            k = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
+            problems.append(f"{rid}: ids differ from in-process at token {k}")
+        v = got["vskipper"] or {}
+        routed_req += int(bool(v.get("prefill_routed")) or v.get("decode_routed_from") is not None)
+    n = len(rids)
+    ok = not problems and exact == n and same == n
+    detail = (f"{n} streamed requests: {exact}/{n} exactly {max_tokens} ids, {same}/{n} equal to generate_greedy "
+              f"in process, {routed_req}/{n} routed in some phase" + ("" if ok else "; " + "; ".join(problems[:4])))
+    return dict(ok=ok, detail=detail, requests=n, max_tokens=int(max_tokens), tokens_exact=exact == n,
+                ids_match=same == n)
+
+
+def _check_lm_eval(server, model_dir: Path, tm, limit: int, seed: int) -> dict:
+    """``lm_eval``: ``simple_evaluate(model="local-completions")`` against the arm (module docstring)."""
+    import lm_eval
+
+    from impl.quality.run import offline
+
+    eng = server.engine
+    before = eng.counters["requests"]
+    args = dict(base_url=f"{server.url}/v1/completions", model=eng.served_model_name,
+                tokenizer_backend="huggingface", tokenizer=str(model_dir), tokenized_requests=True,
+                max_length=int(eng.max_model_len), num_concurrent=1, max_retries=1, timeout=int(_TIMEOUT_S),
+                seed=int(seed))
+    with offline():
+        res = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["vsk_gsm8k"], task_manager=tm,
+                                      limit=int(limit), bootstrap_iters=0, log_samples=False, random_seed=seed,
+                                      numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                                      apply_chat_template=False)
+    served = eng.counters["requests"] - before
+    if res is None:
+        return dict(ok=False, detail="simple_evaluate returned nothing", served_requests=served, metric=_LM_EVAL_METRIC)
+    r = (res.get("results") or {}).get("vsk_gsm8k") or {}
+    val = r.get(_LM_EVAL_METRIC)
+    n_docs = int(((res.get("n-samples") or {}).get("vsk_gsm8k") or {}).get("effective", limit))
+    finite = isinstance(val, (int, float)) and math.isfinite(float(val))
+    ok = finite and served == n_docs and eng.counters["failed"] == 0
+    detail = (f"lm_eval local-completions on vsk_gsm8k, {n_docs} docs: {_LM_EVAL_METRIC} = "
+              f"{val if not finite else round(float(val), 4)}, {served} requests served")
+    if not ok:
+        detail += f" (expected {n_docs}; engine failures {eng.counters['failed']})"
+    return dict(ok=ok, detail=detail, requests=n_docs, metric=_LM_EVAL_METRIC,
+                metric_value=float(val) if finite else None, served_requests=served)
+
+
+def _check_endpoints(server, prompt: Sequence[int]) -> dict:
+    """``endpoints``: health, model listing, 4xx for malformed requests, still serving afterwards."""
+    eng = server.engine
+    url = server.url
+    problems = []
+    code, h = _http(url, "/health")
+    if code != 200 or not isinstance(h, dict) or h.get("status") != "ok" or h.get("arm") != eng.arm:
+        problems.append(f"/health {code} {str(h)[:80]}")
+    code, m = _http(url, "/v1/models")
+    names = [d.get("id") for d in (m.get("data") or [])] if isinstance(m, dict) else []
+    if code != 200 or names != [eng.served_model_name]:
+        problems.append(f"/v1/models {code} {names}")
+    p = [int(t) for t in prompt][:16]
+    bad = [
+        ("invalid JSON", dict(raw=b"{not json"), 400),
+        ("max_tokens 0", dict(body={"prompt": p, "max_tokens": 0}), 400),
+        ("temperature 0.7", dict(body={"prompt": p, "max_tokens": 4, "temperature": 0.7}), 400),
+        ("unknown model", dict(body={"prompt": p, "max_tokens": 4, "model": "no-such-model"}), 404),
+        ("token id out of vocabulary", dict(body={"prompt": [eng.vocab_size + 7], "max_tokens": 4}), 400),
+        ("GET /v1/completions", dict(method="GET"), 405),
+    ]
+    n4 = 0
+    for what, kw, want in bad:
+        code, body = _http(url, "/v1/completions", **kw)
+        good = code == want and isinstance(body, dict) and isinstance(body.get("error"), dict)
+        n4 += int(good)
+        if not good:
+            problems.append(f"{what}: {code} (want {want})")
+    code, out = _http(url, "/v1/completions", {"prompt": p, "max_tokens": 4, "ignore_eos": True}, timeout=_TIMEOUT_S)
+    served = (code == 200 and isinstance(out, dict)
+              and len((out.get("choices") or [{}])[0].get("token_ids") or []) == 4)
+    if not served:
+        problems.append(f"valid request after the malformed ones: {code}")
+    code, _ = _http(url, "/health")
+    if code != 200:
+        problems.append(f"/health after: {code}")
+    if eng.counters["failed"]:
+        problems.append(f"{eng.counters['failed']} failed engine requests")
+    ok = not problems
+    detail = (f"/health and /v1/models OK; {n4}/{len(bad)} malformed requests got their 4xx; "
+              f"{'still serving' if served else 'NOT serving'} afterwards"
+              + ("" if ok else "; " + "; ".join(problems[:4])))
+    return dict(ok=ok, detail=detail, requests=len(bad) + 1)
+
+
+# ======================================================================================================
+# Driver
+# ======================================================================================================
+ReferenceFn = Callable[..., list]
+
+
+def check_arms(
+    model_dir: str | os.PathLike,
+    arms: Sequence[str] = ARMS,
+    skipper_spec: Any = None,
+    prompts: Sequence[Sequence[int]] | str | os.PathLike | None = None,
+    *,
+    n_prompts: int = 4,
+    max_tokens: int = 16,
+    data_dir: str | os.PathLike | None = None,
+    limit: int = 4,
+    num_fewshot: int | None = None,
+    max_gen_toks: int = 32,
+    switch: Mapping[str, Any] | None = None,
+    engine: Mapping[str, Any] | None = None,
+    label: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    seed: int = 1234,
+    checks: Sequence[str] = CHECKS,
+    reference: ReferenceFn | None = None,
+    log_fn: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Serve each arm of a model directory over HTTP and check it against real clients.
+
+    Args:
+        model_dir: the Hugging Face model directory (with its tokenizer).
+        arms: arms among :data:`ARMS`.
+        skipper_spec: the routed arms' policy, a spec or a list of specs
+            (:func:`~impl.vskipper.server.parse_skipper_spec`, e.g. ``"flexidepth:DIR"``,
+            ``"randomskip:r=0.5,d=0.5"``); each routed arm runs once per spec, ``upstream`` once.
+            Required when a routed arm is asked for.
+        prompts: token-id prompts, or a workload suite JSONL file (:func:`load_prompts`); the first
+            ``n_prompts`` are used.
+        n_prompts: requests per check (``client_stream`` and ``greedy_ids`` each send this many).
+        max_tokens: tokens per ``ignore_eos`` request.
+        data_dir: the data folder of the offline GSM8K task (``lm_eval`` check; required with it).
+        limit: GSM8K documents evaluated by lm-eval.
+        num_fewshot: GSM8K few-shot examples (None: the task's 5).
+        max_gen_toks: lm-eval's generation budget per document, tokens.
+        switch: ``ModeSwitch`` fields of the hybrid arm (default :data:`HYBRID_SWITCH`).
+        engine: :func:`~impl.vskipper.engine.routed_cb_config` sizes (``vskipper.engine``: ``page_size``,
+            ``num_blocks``, ``max_batch_tokens``, ``max_requests_per_batch``), the same for every arm and
+            the reference.
+        label: the ``model`` column (default: the directory's name; also the served model name).
+        dtype, device: where the model runs.
+        seed: lm-eval's seeds.
+        checks: which of :data:`CHECKS` to run.
+        reference: the in-process reference, called like :func:`in_process_reference` (default) with
+            the client checks' prompts and request ids in the order the server sees them; tests pass a
+            wrong one to see the checks fail.
+        log_fn: progress messages (default: the module logger).
+
+    Returns:
+        one row per (arm, skipper, check): the :data:`COLUMNS` with ``verdict`` PASS / FAIL and a
+        ``detail`` sentence. A check that raises, a failing reference or a server that does not start
+        become FAIL rows quoting the error; the other checks and arms still run.
+
+    Raises:
+        ValueError: for an unknown arm / check, a routed arm without a skipper, or ``lm_eval`` without
+            ``data_dir``; FileNotFoundError: for a missing model directory, prompt file or data file.
+    """
+    from impl.models.load import load_tokenizer
+
+    from .server import serve
+
+    say = log_fn or log.info
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no model directory at {model_dir} (config.json missing)")
+    arms = list(arms)
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        raise ValueError(f"unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
+    checks = list(checks)
+    bad = [c for c in checks if c not in CHECKS]
+    if bad:
+        raise ValueError(f"unknown check(s) {bad}; choose from {', '.join(CHECKS)}")
+    specs = [] if skipper_spec is None else ([skipper_spec] if isinstance(skipper_spec, (str, Mapping)) or
+                                             not isinstance(skipper_spec, Sequence) else list(skipper_spec))
+    if any(a != "upstream" for a in arms) and not specs:
+        raise ValueError("the routed arms need a skipper spec (e.g. 'randomskip:r=0.5,d=0.5' or 'flexidepth:DIR')")
+    if "lm_eval" in checks and data_dir is None:
+        raise ValueError("the lm_eval check needs data_dir (the folder holding gsm8k/)")
+    if prompts is None:
+        raise ValueError("pass prompts: token-id lists or a workload suite JSONL file")
+    if isinstance(prompts, (str, os.PathLike)):
+        prompts, _ = load_prompts(prompts, n_prompts)
+    prompts = [[int(t) for t in p] for p in list(prompts)[: int(n_prompts)]]
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("need at least one non-empty prompt")
+    label = label or model_dir.name
+    reference = reference or in_process_reference
+    cb, ctx = _cb_overrides(model_dir, engine, len(prompts))
+    sw = dict(HYBRID_SWITCH if switch is None else switch)
+    tokenizer = load_tokenizer(model_dir)
+    runs = [(a, None) for a in arms if a == "upstream"] + [(a, s) for s in specs for a in arms if a != "upstream"]
+
+    work = Path(tempfile.mkdtemp(prefix="vskipper_http_"))
+    tm = None
+    rows: list[dict] = []
+    try:
+        if "lm_eval" in checks:
+            from lm_eval.tasks import TaskManager
+
+            from impl.quality.run import offline
+            from impl.quality.tasks import TaskOptions, write_task_yamls
+
+            opts = TaskOptions(gsm8k_max_gen_toks=int(max_gen_toks), datasets_cache_dir=str(work / "hf"),
+                               **({} if num_fewshot is None else {"gsm8k_num_fewshot": int(num_fewshot)}))
+            ts = write_task_yamls(data_dir, work / "tasks", ["gsm8k"], opts)
+            with offline():
+                tm = TaskManager(include_path=str(ts.include_path), include_defaults=False)
+        for arm, spec in runs:
+            spec_s = None if spec is None else str(spec)
+            tag = f"{label}/{arm}" + (f" [{spec_s}]" if spec_s else "")
+            # the client checks' request ids, in the order the server will see them (the reference replays
+            # that order: the hybrid switch's state carries over between requests)
+            rids = {c: [f"{label}-{arm}-{i}-{c[0]}" for i in range(len(prompts))]
+                    for c in checks if c in ("client_stream", "greedy_ids")}
+            refs: dict[str, list] = {}
+            ref_err = None
+            if rids:
+                t0 = time.perf_counter()
+                try:
+                    flat = reference(model_dir, arm, spec, prompts * len(rids), [r for c in rids for r in rids[c]],
+                                     int(max_tokens), switch=sw, cb_overrides=cb, dtype=dtype, device=device)
+                    refs = {c: list(flat[j * len(prompts):(j + 1) * len(prompts)]) for j, c in enumerate(rids)}
+                except Exception as e:  # noqa: BLE001 - the check rows say why
+                    ref_err = f"in-process reference failed: {type(e).__name__}: {e}"
+                say(f"{tag}: in-process reference in {time.perf_counter() - t0:.1f} s")
+            try:
+                server = serve(model_dir, arm, spec, port=0, block=False, served_model_name=label,
+                               switch=sw if arm == "hybrid" else None, cb_overrides=cb, dtype=dtype, device=device,
+                               max_model_len=ctx)
+            except Exception as e:  # noqa: BLE001 - every check of this arm fails, the other arms still run
+                log.exception("%s: the server did not start", tag)
+                for check in checks:
+                    rows.append(_row(label, arm, spec_s, check, False,
+                                     f"the server did not start: {type(e).__name__}: {e}"))
+                continue
+            try:
+                for check in checks:
+                    t0 = time.perf_counter()
+                    try:
+                        if check in rids and check not in refs:
+                            res = dict(ok=False, detail=ref_err)
+                        elif check == "client_stream":
+                            res = _check_client(server, tokenizer, prompts, rids[check], refs[check], max_tokens)
+                        elif check == "greedy_ids":
+                            res = _check_ids(server, prompts, rids[check], refs[check], max_tokens)
+                        elif check == "lm_eval":
+                            res = _check_lm_eval(server, model_dir, tm, limit, seed)
+                        else:
+                            res = _check_endpoints(server, prompts[0])
+                    except Exception as e:  # noqa: BLE001 - a broken check is a FAIL row, the others still run
+                        log.exception("%s: check %s raised", tag, check)
+                        res = dict(ok=False, detail=f"{type(e).__name__}: {e}")
+                    routed, skip = _shares(server.url, arm)
+                    ok = bool(res.pop("ok"))
+                    row = _row(label, arm, spec_s, check, ok, res.pop("detail"), routed_share=routed,
+                               skip_share=skip, wall_s=round(time.perf_counter() - t0, 3), **res)
+                    rows.append(row)
+                    say(f"{tag} {check}: {row['verdict']} - {row['detail']}")
+            finally:
+                server.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+# ======================================================================================================
+# Output
+# ======================================================================================================
+def _csv_text(rows: Sequence[Mapping[str, Any]]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(COLUMNS), extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in COLUMNS})
+    return buf.getvalue()
+
+
+def write_outputs(rows: Sequence[Mapping[str, Any]], out_csv: str | os.PathLike,
+                  summary_json: str | os.PathLike | None = None, extra: Mapping[str, Any] | None = None) -> dict:
+    """Write the rows as CSV (:data:`COLUMNS`) and, when asked, a summary JSON (``rows``, per-verdict
+    counts, ``all_pass``, plus ``extra``: settings, provenance), each atomically.
+
+    Returns:
+        the summary dict.
+    """
+    from impl.provenance import write_json, write_text
+
+    counts = {"PASS": sum(r["verdict"] == "PASS" for r in rows), "FAIL": sum(r["verdict"] != "PASS" for r in rows)}
+    summary = {**dict(extra or {}), "rows": [dict(r) for r in rows], "counts": counts,
+               "all_pass": bool(rows) and counts["FAIL"] == 0,
+               "arms": sorted({r["arm"] for r in rows}),
+               "checks": [c for c in CHECKS if any(r["check"] == c for r in rows)]}
+    text = _csv_text(rows)
+    if summary_json is not None:
+        write_json(summary_json, copy.deepcopy(summary))
+    write_text(out_csv, text)
+    return summary

@@ -1,0 +1,52 @@
+# vSkipper engine arms over HTTP (vSkipper engine issue: "Three engine arms run in-process and behind HTTP on
+# both tiny models; lm_eval --model local-completions and an OpenAI-style client with ignore_eos can both talk
+# to every arm"). Per tiny model: upstream, hybrid and always-route each served in-process on 127.0.0.1:0
+# and checked with the load generator's OpenAI-style client (ignore_eos, streaming, greedy ids equal to the
+# arm run in process), lm-eval local-completions on the offline GSM8K task, and the health / model /
+# malformed-request endpoints -> PASS/FAIL rows (CSV) + summary JSON, a "engine arms over HTTP" section in
+# REPORT.md. Routed arms use the FlexiDepth checkpoint (and RandomSkip too) on vskipper.model, RandomSkip on
+# the other tiny models. Command: python -m impl vskipper-http-check --help (impl/vskipper/commands.py).
+# Include after vskipper.smk and before report.smk.
+if CFG.get("vskipper") and TINY_MODELS:
+    VSKH = CFG["vskipper"]
+    VSKH_DIR = f"{RESULTS}/vskipper/http"
+    VSKH_SUITE = VSKH["workloads"][0]  # prompts: the first vSkipper workload's token ids per model
+    VSKH_CKPT = f"{MODELS}/{VSKH['model']}-flexidepth"  # rule vskipper_train_flexidepth
+    # Settings without config keys (yet): 4 requests x 16 tokens per client check, 4 GSM8K documents for
+    # lm-eval, RandomSkip r = d = 0.5 (seed / layer_choice from vskipper.randomskip); the engine sizes come
+    # from vskipper.engine and lm-eval's few-shot / budget from vskipper.quality (gsm8k) when present.
+    VSKH_ARGS = "--n-prompts 4 --max-tokens 16 --limit 4 --r 0.5 --d 0.5"
+
+    def vskh_inputs(w):
+        d = {"model": str(model_dir(CFG, w.model)), "prompts": f"{RESULTS}/workloads/{w.model}/{VSKH_SUITE}.jsonl"}
+        if w.model == VSKH["model"]:
+            d["ckpt"] = VSKH_CKPT
+        return d
+
+    rule vskipper_http:
+        conda:
+            "../env.yaml"
+        input:
+            unpack(vskh_inputs),
+        output:
+            csv=f"{VSKH_DIR}/{{model}}.csv",
+            summary=f"{VSKH_DIR}/{{model}}.json",
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            skipper=lambda w: f"--flexidepth {VSKH_CKPT} --also-randomskip" if w.model == VSKH["model"] else "",
+            args=VSKH_ARGS,
+            sig=sig("data_dir", "seed", "threads", "device", "dtype", args=VSKH_ARGS,
+                    vsk={k: VSKH.get(k) for k in ("model", "workloads", "engine", "randomskip", "quality")}),
+        threads: 1
+        log:
+            f"{LOGS}/vskipper/http_{{model}}.log",
+        resources:
+            mem_mb=8000,
+            runtime=30,
+        shell:
+            "python -m impl vskipper-http-check --config-json @{params.cfg} --quiet --model-dir {input.model} "
+            "--prompts {input.prompts} {params.skipper} {params.args} --label {wildcards.model} "
+            "--out {output.csv} --summary {output.summary} 2> {log}"
+
+    REPORT_EXTRA += expand(f"{VSKH_DIR}/{{model}}.csv", model=TINY_MODELS)
+    REPORT_SECTIONS.append(f"impl.vskipper.http_report:{VSKH_DIR}")

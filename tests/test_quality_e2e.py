@@ -1,13 +1,17 @@
 """The quality 2x2 end to end (vSkipper Sec. 4.1 "Quality", Table 5 left, App. E.1) on a tiny random
 Llama saved to disk with a tiny tokenizer: GSM8K, one BBH task and CoQA, 2 documents each, the four arms
-(A: lm-eval's HF backend; B: plain PyTorch with routed layers; C / D: the continuous-batching engine,
-dense / always-route).
+(A: lm-eval's HF backend; B: plain PyTorch with routed layers; C / D: the vSkipper HTTP server in
+process, upstream / always-route, with lm-eval's ``local-completions`` client sending token ids).
 
-- all-RUN skipper: all four arms produce the same token ids and scores, the DiD is exactly 0, and
-  every arm's first-token log-probabilities match arm A's within 0.01 nats;
-- RandomSkip: the run completes with identical prompt hashes in every arm, and routed serving (D)
-  reproduces the checkpoint in process (B) token for token and in first-token log-probabilities;
-- a tokenization difference in one arm is refused.
+- all-RUN skipper over HTTP: all four arms produce the same token ids and scores (C == A and D == B),
+  the DiD is exactly 0, every arm's first-token log-probabilities match arm A's within 0.01 nats, the
+  served arms' recorded prompt ids are the ids their server's engine received, and ``requests.jsonl``
+  lists every document's request;
+- RandomSkip over HTTP: the run completes with identical prompt hashes in every arm, and routed serving
+  (D) reproduces the checkpoint in process (B) token for token and in first-token log-probabilities
+  (the request id ``<task>/<doc_id>`` reaches the server);
+- the prompt-hash gate refuses a tokenization difference in an in-process arm and in a served arm;
+- the in-process served path (``served="inprocess"``) still agrees with A.
 """
 
 import json
@@ -119,6 +123,25 @@ def test_all_run_arms_identical(model_dir, data_dir, tmp_path):
     assert {r["arm"] for r in docs} == set("ABCD") and all(len(r["prompt_hash"]) == 16 for r in docs)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["skipper"]["class"] == "StaticDepthSkipper"
+    # C and D went over HTTP: the engine counted every document, the records carry the server's report
+    assert summary["served"] == "http" and set(summary["served_stats"]) == {"C", "D"}
+    assert summary["served_stats"]["C"]["arm"] == "upstream" and summary["served_stats"]["D"]["arm"] == "always-route"
+    for arm in "CD":
+        assert summary["served_stats"][arm]["counters"]["finished"] >= 3 * LIMIT
+        for k in keys:
+            rec = res.records[arm][k]
+            assert rec.served["ids_source"] == "engine" and rec.served["vskipper"]["request_id"] == rec.request_id
+            assert rec.served["vskipper"]["arm"] == {"C": "upstream", "D": "always-route"}[arm]
+        assert json.loads((out / f"lm_eval_{arm}.json").read_text())["served"] == "http"
+    for k in keys:  # every record keeps its stop strings (the EOS string included)
+        assert res.records["A"][k].until == res.records["C"][k].until == res.records["B"][k].until
+        assert res.records["A"][k].until[-1] == "<|endoftext|>"
+    reqs = read_jsonl(out / "requests.jsonl")
+    assert [(r["task"], r["doc_id"]) for r in reqs] == keys
+    for r in reqs:
+        rec = res.records["A"][(r["task"], r["doc_id"])]
+        assert r["prompt_ids"] == rec.prompt_ids and r["prompt_hash"] == rec.prompt_hash and r["until"] == rec.until
+        assert r["max_gen_toks"] == 12 and r["max_length"] == 512 and r["request_id"] == rec.request_id
     for arm in "ABCD":
         assert "vsk_gsm8k" in json.loads((out / f"lm_eval_{arm}.json").read_text())["results"]
     assert sorted(p.name for p in (out / "tasks").glob("*.yaml")) == [
@@ -150,11 +173,53 @@ def test_prompt_mismatch_refused(model_dir, data_dir, tmp_path, monkeypatch):
 
     real = arms.encode_context
 
-    def with_bos(tokenizer, context, max_ctx_len, add_bos_token=None):
+    def altered(tokenizer, context, max_ctx_len, add_bos_token=None):
         return [tokenizer.eos_token_id] + real(tokenizer, context, max_ctx_len - 1, add_bos_token)
 
-    monkeypatch.setattr(arms, "encode_context", with_bos)  # arm B now prepends a BOS-like token
+    monkeypatch.setattr(arms, "encode_context", altered)  # arm B now prepends a BOS-like token
     with pytest.raises(PromptMismatchError, match="differ between arms"):
         run_quality(model_dir, StaticDepthSkipper(ROUTED, n_run=2), data_dir, ("coqa",), 1, tmp_path / "out",
                     options=_opts(tmp_path), first_token_docs=0, arms=("A", "B"))
     assert not (tmp_path / "out" / "quality.jsonl").exists()
+
+
+def test_prompt_mismatch_refused_over_http(model_dir, data_dir, tmp_path, monkeypatch):
+    """The served arm's client tokenizes differently from arm A (the last prompt token becomes the special
+    token, a change that commutes with lm-eval's left truncation): the server's engine receives those
+    ids, they are recorded, and the gate refuses."""
+    import impl.quality.arms as arms
+    from impl.quality.arms import RecordingCompletionsLM
+
+    real = arms.encode_context
+    seen = {}
+
+    def altered(tokenizer, context, max_ctx_len, add_bos_token=None):
+        return real(tokenizer, context, max_ctx_len, add_bos_token)[:-1] + [tokenizer.eos_token_id]
+
+    orig_init = RecordingCompletionsLM.__init__
+
+    def init(self, *a, **kw):
+        orig_init(self, *a, **kw)
+        seen["received"] = kw["received"]
+
+    monkeypatch.setattr(arms, "encode_context", altered)  # B, C and D use it; A is lm-eval's own HFLM
+    monkeypatch.setattr(RecordingCompletionsLM, "__init__", init)
+    with pytest.raises(PromptMismatchError, match="differ between arms") as e:
+        run_quality(model_dir, StaticDepthSkipper(ROUTED, n_run=2), data_dir, ("coqa",), 1, tmp_path / "out",
+                    options=_opts(tmp_path), first_token_docs=0, arms=("A", "C"), cb_config=_cb())
+    assert "C=" in str(e.value) and "A=" in str(e.value)
+    (ids,) = seen["received"].values()  # what the server's engine got: the special token last
+    assert ids[-1] == 0 and len(ids) >= 2
+    assert not (tmp_path / "out" / "quality.jsonl").exists()
+
+
+def test_inprocess_served_arms_still_agree(model_dir, data_dir, tmp_path):
+    res = run_quality(model_dir, StaticDepthSkipper(ROUTED, n_run=len(ROUTED)), data_dir, ("coqa",), 1,
+                      tmp_path / "out", options=_opts(tmp_path), cb_config=_cb(), first_token_docs=1,
+                      served="inprocess")
+    (k,) = res.records["A"]
+    assert all(res.records[a][k].gen_ids == res.records["A"][k].gen_ids for a in "BCD")
+    assert res.records["C"][k].served is None and not res.served_stats
+    assert all(r["agree"] for r in res.first_token)
+    with pytest.raises(ValueError, match="served must be one of"):
+        run_quality(model_dir, "randomskip", data_dir, ("coqa",), 1, tmp_path / "o2", served="socket")

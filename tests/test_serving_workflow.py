@@ -429,6 +429,8 @@ def test_tables_from_synthetic_rows(tmp_path):
     assert t2["E2E mean"].str.startswith("-").all()
     t4 = tabs["vskipper_table4"]
     assert set(t4["point"]) == {"overload"} and {"TPS (window)", "RPS (window)"} <= set(t4.columns)
+    assert list(t4["lane"]) == ["matched", "natural"] and (t4["saturation"] == "1.25 x Q*").all()
+    assert (t4["vskipper TPS"] > t4["upstream TPS"]).all()  # the faster fake arm
     abl = tabs["vskipper_ablation"]
     assert set(abl["arm"]) == {"vskipper", "always-route"} and (abl["decode_routed_share"] == 0.5).all()
     rs = tabs["vskipper_randomskip"]
@@ -443,6 +445,52 @@ def test_tables_from_synthetic_rows(tmp_path):
     assert fl.iloc[0]["loss_delta"] == pytest.approx(0.1)
     gate = tabs["vskipper_gate"]
     assert (gate["status"] == "ok").all() and len(gate) == 4 + 1 + 2
+
+
+def _sat_summary(workload, point, factor, lane, metric, base, treat, pct, lo, hi, n=3):
+    return {"kind": "summary", "experiment": "main", "workload": workload, "point": point, "factor": factor,
+            "rate": 8.0 * factor, "knee_status": "ok", "lane": lane, "treatment": "vskipper", "metric": metric,
+            "better": "higher", "n": n, "baseline_mean": base, "treatment_mean": treat, "pct_mean": pct,
+            "pct_ci_low": lo, "pct_ci_high": hi, "pct_resolved": lo > 0 or hi < 0}
+
+
+def test_table4_saturation_from_hand_made_rows():
+    """Table 4: per workload the largest load point above Q* is saturation (overload 1.25 beats 1.1, the
+    knee and below never count); per lane (matched first) the arms' mean TPS / RPS and the paired %
+    change; a workload without a point above Q* has no row; one repetition has no interval."""
+    from impl.serving.report import saturation_points, summary_frame, table4
+
+    rows = []
+    for w in ("gsm8k", "bbh"):
+        for point, f in (("below", 0.75), ("knee", 0.95), ("high", 1.1), ("overload", 1.25)):
+            for lane in ("natural", "matched"):
+                rows.append(_sat_summary(w, point, f, lane, "tps_window", 100.0, 110.0 * f, 10.0 * f, 2.0, 18.0))
+                rows.append(_sat_summary(w, point, f, lane, "rps_window", 4.0, 4.4, 11.3, -1.0, 23.6))
+                rows.append(_sat_summary(w, point, f, lane, "e2e_mean_s", 1.0, 0.9, -10.0, -12.0, -8.0))
+    rows.append(_sat_summary("coqa", "knee", 0.95, "matched", "tps_window", 10.0, 11.0, 10.0, 5.0, 15.0))
+    rows.append(_sat_summary("xsum", "overload", 1.25, "matched", "rps_window", 2.0, 2.5, 25.0, math.nan, math.nan,
+                             n=1))
+    rows.append({**_sat_summary("gsm8k", "stress", 2.0, "matched", "tps_window", 1, 1, 0, 0, 0),
+                 "experiment": "ablation"})  # not a main cell: ignored
+    long = summary_frame(rows)
+    assert saturation_points(long) == {"gsm8k": ("overload", 1.25), "bbh": ("overload", 1.25),
+                                       "xsum": ("overload", 1.25)}
+    t4 = table4(long)
+    assert list(zip(t4["workload"], t4["lane"])) == [("gsm8k", "matched"), ("gsm8k", "natural"),
+                                                     ("bbh", "matched"), ("bbh", "natural"), ("xsum", "matched")]
+    g = t4.iloc[0]
+    assert g["point"] == "overload" and g["factor"] == 1.25 and g["rate"] == 10.0 and g["n"] == 3
+    assert g["upstream TPS"] == 100.0 and g["vskipper TPS"] == pytest.approx(137.5)
+    assert g["TPS (window)"] == "+12.5 [+2.0, +18.0] *" and bool(g["tps_resolved"])
+    assert g["upstream RPS"] == 4.0 and g["vskipper RPS"] == 4.4 and g["RPS (window)"] == "+11.3 [-1.0, +23.6]"
+    assert not bool(g["rps_resolved"]) and g["rps_pct_mean"] == 11.3
+    x = t4.iloc[4]
+    assert x["RPS (window)"] == "+25.0 (n=1)" and x["TPS (window)"] == "-" and math.isnan(x["upstream TPS"])
+    # no load point above Q*: empty, with the columns
+    only_knee = summary_frame([r for r in rows if r["factor"] <= 1.0])
+    e = table4(only_knee)
+    assert len(e) == 0 and "RPS (window)" in e.columns and saturation_points(only_knee) == {}
+    assert len(table4(summary_frame([]))) == 0
 
 
 def test_report_section_and_figures(tmp_path):
@@ -461,6 +509,8 @@ def test_report_section_and_figures(tmp_path):
         assert re.search(rf"matched-work gate .*\*\*{verdict}\*\*", text)
         assert "knee sweep brackets Q* for every workload: **PASS**" in text
         assert "Table 2 shape" in text and "Table 3 shape" in text and "Fig. 3 shape" in text
+        assert "### Throughput under saturation (Table 4)" in text and "[vskipper_table4](tables/vskipper_table4.csv)" in text
+        assert "Here (matched lane): gsm8k RPS" in text
         assert "](figures/vskipper_fig3.png)" in text and "[vskipper_table2](tables/vskipper_table2.csv)" in text
         if rejected:
             assert "rejected: main/gsm8k/below/matched" in text

@@ -1,4 +1,4 @@
-# vSkipper serving experiments (vSkipper Sec. 4: Tables 2-4, Table 3 ablation, Fig. 3; thresholds of
+# vSkipper serving experiments (vSkipper Sec. 4: Tables 2-5, Table 3 ablation, Fig. 3; thresholds of
 # Sec. 3.3) on the model of vskipper.model, driven through transformers' continuous-batching engine:
 #   FlexiDepth-style skipper (stage-1 training) -> share + routed-cost profile -> rule-derived thresholds
 #   knee sweep on upstream (per workload) -> cells at vskipper.load_points x Q* (matched / natural lanes)
@@ -172,12 +172,19 @@ if VSK:
                 "--knee {input.knee} --shared-thresholds {input.shared} --random-thresholds {input.random} "
                 "--prompts {input.prompts} --workload {wildcards.suite} --out {output} 2> {log}"
 
-    # ---- quality (Sec. 4.3, Table 5 left: the lm-eval 2x2 DiD of base / checkpoint x native / served) ----
-    # One job per suite of vskipper.quality.tasks: A base (lm-eval HF backend), B checkpoint (plain PyTorch),
-    # C base on the unmodified engine, D checkpoint served always-route, same documents and token ids.
-    # Table 5 right (the served hybrid at the knee) is not implemented, so no knee JSON is consumed.
+    # ---- quality (Sec. 4.3, Table 5: the lm-eval 2x2 DiD, left; the served hybrid at the knee, right) ----
+    # vskipper_quality, one job per suite of vskipper.quality.tasks: A base (lm-eval HF backend), B checkpoint
+    # (plain PyTorch), C base served by the upstream arm, D checkpoint served always-route (C/D: the vSkipper
+    # HTTP server started inside the job on 127.0.0.1:0, lm-eval's local-completions client sending token ids),
+    # same documents and token ids; it also writes each document's request (prompt ids, stop strings, budget).
+    # vskipper_quality_served (when vskipper.quality.served is not null): those requests, padded with the knee
+    # workload's prompts, as one seeded Poisson stream at served.point x Q* (the knee JSON) to the hybrid server
+    # (FlexiDepth thresholds) and to the always-route server; a timed job like the cells.
     VSK_Q = VSK.get("quality")
     VSK_QUALITY = expand(f"{VSK_DIR}/quality/{{qsuite}}.jsonl", qsuite=VSK_Q["tasks"]) if VSK_Q else []
+    VSK_QS = VSK_Q.get("served") if VSK_Q else None
+    VSK_QUALITY_SERVED = (expand(f"{VSK_DIR}/quality_served/{{qsuite}}.jsonl", qsuite=VSK_Q["tasks"])
+                          if VSK_QUALITY and VSK_QS else [])
     if VSK_QUALITY:
 
         wildcard_constraints:
@@ -192,11 +199,13 @@ if VSK:
             output:
                 rows=f"{VSK_DIR}/quality/{{qsuite}}.jsonl",
                 summary=f"{VSK_DIR}/quality/{{qsuite}}.json",
+                requests=f"{VSK_DIR}/quality/{{qsuite}}_requests.jsonl",
                 work=directory(f"{VSK_DIR}/quality/{{qsuite}}_run"),
             params:
                 cfg=EFFECTIVE_CONFIG,
                 sig=sig("data_dir", "seed", "threads", "device", "dtype",
-                        vsk={"model": VSK_MODEL, "engine": VSK["engine"], "quality": VSK_Q}),
+                        vsk={"model": VSK_MODEL, "engine": VSK["engine"],
+                             "quality": {k: x for k, x in VSK_Q.items() if k != "served"}}),
             threads: CFG["threads"]
             log:
                 f"{LOGS}/vskipper/quality_{{qsuite}}.log",
@@ -206,7 +215,42 @@ if VSK:
             shell:
                 "python -m impl quality-cell --config-json @{params.cfg} --quiet --model-dir {input.model} "
                 "--flexidepth {input.ckpt} --suite {wildcards.qsuite} --work-dir {output.work} "
-                "--out {output.rows} --summary {output.summary} 2> {log}"
+                "--out {output.rows} --summary {output.summary} --requests {output.requests} 2> {log}"
+
+    if VSK_QUALITY_SERVED:
+        from impl.serving.schema import served_knee_workload
+
+        vsk_qknee = lambda w: served_knee_workload(VSK, w.qsuite)  # noqa: E731
+
+        rule vskipper_quality_served:
+            conda:
+                "../env.yaml"
+            input:
+                model=VSK_MODEL_DIR,
+                ckpt=VSK_CKPT,
+                requests=f"{VSK_DIR}/quality/{{qsuite}}_requests.jsonl",
+                thresholds=f"{VSK_DIR}/thresholds/flexidepth.json",
+                knee=lambda w: f"{VSK_DIR}/knee/{vsk_qknee(w)}.json",
+                prompts=lambda w: f"{RESULTS}/workloads/{VSK_MODEL}/{vsk_qknee(w)}.jsonl",
+            output:
+                rows=f"{VSK_DIR}/quality_served/{{qsuite}}.jsonl",
+                summary=f"{VSK_DIR}/quality_served/{{qsuite}}.json",
+                work=directory(f"{VSK_DIR}/quality_served/{{qsuite}}_run"),
+            params:
+                cfg=EFFECTIVE_CONFIG,
+                sig=sig("data_dir", "seed", "threads", "device", "dtype", vsk={k: VSK[k] for k in (
+                    "model", "engine", "requests", "max_new_tokens", "timeout_s", "load_points", "quality")}),
+            threads: VSK_TIMED_THREADS
+            log:
+                f"{LOGS}/vskipper/quality_served_{{qsuite}}.log",
+            resources:
+                mem_mb=8000,
+                runtime=120,
+            shell:
+                "python -m impl quality-served --config-json @{params.cfg} --quiet --model-dir {input.model} "
+                "--flexidepth {input.ckpt} --thresholds {input.thresholds} --knee {input.knee} "
+                "--requests {input.requests} --prompts {input.prompts} --suite {wildcards.qsuite} "
+                "--work-dir {output.work} --out {output.rows} --summary {output.summary} 2> {log}"
 
     # ---- end of HOOK ----
 
@@ -221,21 +265,25 @@ if VSK:
             ablation=VSK_ABLATION,
             randomskip=VSK_MAP,
             quality=VSK_QUALITY,
+            quality_served=VSK_QUALITY_SERVED,
         output:
             expand(f"{VSK_TABLES}/{{name}}.{{ext}}", name=[
                 "vskipper_flexidepth", "vskipper_thresholds", "vskipper_knee", "vskipper_knee_summary",
                 "vskipper_cells", "vskipper_table2", "vskipper_table4", "vskipper_ablation", "vskipper_randomskip",
-                "vskipper_modes", "vskipper_gate"] + (["vskipper_table5", "vskipper_first_token"] if VSK_QUALITY else []),
+                "vskipper_modes", "vskipper_gate"] + (["vskipper_table5", "vskipper_first_token"] if VSK_QUALITY else [])
+                + (["vskipper_table5_served"] if VSK_QUALITY_SERVED else []),
                 ext=["csv", "md"]),
         params:
             out=lambda w, output: os.path.dirname(output[0]),
             quality=lambda w, input: ("--quality " + " ".join(input.quality)) if VSK_QUALITY else "",
+            quality_served=lambda w, input: (("--quality-served " + " ".join(input.quality_served))
+                                             if VSK_QUALITY_SERVED else ""),
         log:
             f"{LOGS}/vskipper/tables.log",
         shell:
             "python -m impl vskipper-tables --knee {input.knee} --thresholds {input.thresholds} "
             "--flexidepth {input.flexidepth} --cells {input.cells} --ablation {input.ablation} "
-            "--randomskip {input.randomskip} {params.quality} --out-dir {params.out} 2> {log}"
+            "--randomskip {input.randomskip} {params.quality} {params.quality_served} --out-dir {params.out} 2> {log}"
 
     rule vskipper_figures:
         conda:
@@ -252,6 +300,6 @@ if VSK:
         shell:
             "python -m impl vskipper-figures --tables-dir {params.tables} --out-dir {params.out} 2> {log}"
 
-    VSK_REPORT_INPUTS = rules.vskipper_tables.output + rules.vskipper_figures.output + VSK_QUALITY
+    VSK_REPORT_INPUTS = rules.vskipper_tables.output + rules.vskipper_figures.output + VSK_QUALITY + VSK_QUALITY_SERVED
     REPORT_EXTRA += VSK_REPORT_INPUTS
     REPORT_SECTIONS.append(f"impl.serving.report:{VSK_TABLES}")

@@ -11,7 +11,18 @@ Outputs (``out`` is a directory):
 - ``quality.jsonl``: one row per document x arm (``kind="doc"``), one per suite x metric and per BBH
   task (``kind="summary"``), one per agreement prompt x arm pair (``kind="first_token"``);
 - ``summary.json``: the summary rows, the first-token rows and the run's configuration;
-- ``lm_eval_<arm>.json``: lm-eval's aggregate results of each arm.
+- ``lm_eval_<arm>.json``: lm-eval's aggregate results of each arm (served arms: also the server's
+  ``/v1/vskipper/stats`` after the arm);
+- ``requests.jsonl``: one row per document of the reference arm (the first): ``task``, ``doc_id``,
+  ``request_id``, ``prompt_ids``, ``prompt_hash``, ``until`` (stop strings), ``max_gen_toks``,
+  ``max_length``, ``add_bos_token`` - what the served-at-knee pass replays (:mod:`impl.quality.served`).
+
+Arms C and D are served over HTTP by default (``served="http"``): for each, a
+:class:`~impl.quality.arms.ServedEndpoint` (the vSkipper server, ``upstream`` for C, ``always-route``
+with the skipper for D) is started in this process on 127.0.0.1, port 0, lm-eval's
+``local-completions`` client (:class:`~impl.quality.arms.RecordingCompletionsLM`) evaluates the tasks
+against it, and the server is shut down after the arm. ``served="inprocess"`` runs them as
+:class:`~impl.quality.arms.EngineLM` on the same engine without HTTP.
 """
 
 from __future__ import annotations
@@ -29,11 +40,25 @@ import torch
 
 from impl.provenance import provenance, write_json, write_jsonl
 
-from .arms import ARMS, EngineLM, GenRecord, PlainRoutedLM, RecordingHFLM, default_max_length, request_id_for
+from .arms import (
+    ARMS,
+    SERVER_ARM,
+    EngineLM,
+    GenRecord,
+    PlainRoutedLM,
+    RecordingCompletionsLM,
+    RecordingHFLM,
+    ServedEndpoint,
+    default_max_length,
+    eos_ids_of,
+)
 from .did import check_prompt_hashes, first_token_agreement, per_doc_scores, summarize
 from .tasks import PRIMARY_METRIC, QUALITY_SUITES, TaskOptions, TaskSet, write_task_yamls
 
-__all__ = ["QualityResult", "run_quality", "resolve_skipper", "offline"]
+__all__ = ["QualityResult", "run_quality", "resolve_skipper", "offline", "request_rows", "SERVED_MODES"]
+
+#: how arms C and D are served (``run_quality(served=...)``)
+SERVED_MODES = ("http", "inprocess")
 
 
 @dataclass
@@ -49,6 +74,8 @@ class QualityResult:
         tasks: the generated :class:`~impl.quality.tasks.TaskSet`.
         out: the output directory.
         wall_s: ``arm -> seconds`` of its load + lm-eval evaluation (informational, not a speed comparison).
+        served_stats: ``arm -> the server's stats`` after each HTTP-served arm.
+        requests: the ``requests.jsonl`` rows (:func:`request_rows` of the reference arm).
     """
 
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -59,6 +86,8 @@ class QualityResult:
     tasks: TaskSet | None = None
     out: Path | None = None
     wall_s: dict[str, float] = field(default_factory=dict)
+    served_stats: dict[str, dict] = field(default_factory=dict)
+    requests: list[dict[str, Any]] = field(default_factory=list)
 
     def summary_for(self, suite: str, metric: str | None = None) -> dict[str, Any]:
         """The suite-level summary row of ``metric`` (default: the suite's primary metric)."""
@@ -153,6 +182,21 @@ def _evaluate(lm, ts: TaskSet, tm, limit, seed: int, fewshot_seed: int) -> dict:
     return res
 
 
+def request_rows(records: Mapping[tuple[str, int], GenRecord], suite_of: Mapping[str, str], *, max_length: int,
+                 add_bos_token: bool | None) -> list[dict[str, Any]]:
+    """One request row per document (sorted by task, doc id): what a document's request was, for the
+    served-at-knee pass (Table 5 right) to replay: ``suite``, ``task``, ``doc_id``, ``request_id``,
+    ``prompt_ids``, ``prompt_hash``, ``until`` (stop strings incl. the EOS string), ``max_gen_toks``
+    [tokens], ``max_length`` [tokens] and ``add_bos_token`` (the tokenization rule, to re-check the ids)."""
+    out = []
+    for key, rec in sorted(records.items()):
+        out.append({"kind": "request", "suite": suite_of.get(key[0]), "task": rec.task, "doc_id": rec.doc_id,
+                    "request_id": rec.request_id, "prompt_ids": list(rec.prompt_ids), "prompt_hash": rec.prompt_hash,
+                    "until": list(rec.until), "max_gen_toks": rec.max_gen_toks, "max_length": int(max_length),
+                    "add_bos_token": add_bos_token})
+    return out
+
+
 def _agreement_keys(records: Mapping[tuple[str, int], GenRecord], ts: TaskSet, per_suite: int) -> list[tuple[str, int]]:
     keys = []
     for suite, names in ts.tasks.items():
@@ -182,6 +226,10 @@ def run_quality(
     run_id: str | None = None,
     config: Mapping[str, Any] | None = None,
     arms: Iterable[str] = ("A", "B", "C", "D"),
+    served: str = "http",
+    http_concurrency: int | None = None,
+    max_logprobs: int = 20,
+    request_timeout_s: float = 3600.0,
 ) -> QualityResult:
     """Run the quality 2x2 (A base / B checkpoint in process; C base / D checkpoint served) on ``tasks``.
 
@@ -203,7 +251,7 @@ def run_quality(
         max_length: context window used by every arm for left truncation (default: lm-eval's rule on
             the base model's config).
         add_bos_token: lm-eval's ``add_bos_token`` (None: the tokenizer's own rule), for every arm.
-        cb_config: engine configuration of arms C and D (default
+        cb_config: engine configuration of arms C and D, the same for both (default
             :func:`impl.vskipper.engine.routed_cb_config`).
         first_token_docs: documents per suite (the first by doc id) used for first-token agreement
             (0 turns it off).
@@ -211,13 +259,20 @@ def run_quality(
         seed: lm-eval random seeds.
         run_id, config: provenance (``config`` is hashed; default: this call's arguments).
         arms: the arms to run; the DiD needs all four.
+        served: ``"http"`` (default): C and D are served by the vSkipper HTTP server in this process and
+            evaluated by lm-eval's ``local-completions`` client; ``"inprocess"``: the same engine
+            without HTTP (:class:`~impl.quality.arms.EngineLM`).
+        http_concurrency: HTTP requests in flight (default: ``cb_config.max_requests_per_batch``, else 8).
+        max_logprobs: top-k log-probabilities the served arms return for first-token agreement.
+        request_timeout_s: per-request timeout of the served arms, seconds.
 
     Returns:
         a :class:`QualityResult` (also written under ``out``).
 
     Raises:
         impl.quality.did.PromptMismatchError: when the arms fed different token ids to any document.
-        ValueError: for an unknown suite / arm / skipper.
+        ValueError: for an unknown suite / arm / skipper / ``served`` mode.
+        RuntimeError: when a served arm's engine received other ids than its client sent.
         FileNotFoundError: for a missing model directory or data file.
     """
     from lm_eval.tasks import TaskManager
@@ -228,6 +283,8 @@ def run_quality(
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; choices: {list(ARMS)}")
+    if served not in SERVED_MODES:
+        raise ValueError(f"served must be one of {SERVED_MODES}, got {served!r}")
     opts = options or TaskOptions()
     model_dir = Path(model_dir)
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else model_dir
@@ -247,7 +304,7 @@ def run_quality(
         "max_length": max_length, "add_bos_token": add_bos_token, "seed": seed, "tol": tol,
         "first_token_docs": first_token_docs, "arms": arms,
         "skipper": None if skip is None else _skipper_desc(skip),
-        "cb_config": None if cb_config is None else repr(cb_config),
+        "cb_config": None if cb_config is None else repr(cb_config), "served": served,
     }
     prov = provenance(cfg, seed=seed, device=device, dtype=dtype, run_id=run_id)
     prov["lm_eval_version"] = _lm_eval_version()
@@ -257,51 +314,77 @@ def run_quality(
     agreement_lp: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     agreement_keys: list[tuple[str, int]] | None = None
     common = dict(max_length=max_length, add_bos_token=add_bos_token)
+    if http_concurrency is None:
+        http_concurrency = int(getattr(cb_config, "max_requests_per_batch", 0) or 8)
 
     with offline():
         tm = TaskManager(include_path=str(ts.include_path), include_defaults=False)
         for arm in arms:
-            model = None
+            model = endpoint = None
             t0 = time.perf_counter()
-            if arm == "A":
-                lm = RecordingHFLM(arm="A", pretrained=str(model_dir), tokenizer=str(model_dir), device=device,
-                                   dtype=dtype, batch_size=1, **common)
-            else:
-                model = load_model(ckpt_dir if arm in ("B", "D") else model_dir, dtype=torch_dtype).to(device)
-                if arm == "B":
-                    lm = PlainRoutedLM(model, tokenizer, skip, arm="B", **common)
-                elif arm == "C":
-                    lm = EngineLM(model, tokenizer, mode="dense", cb_config=cb_config, arm="C", **common)
+            try:
+                if arm == "A":
+                    lm = RecordingHFLM(arm="A", pretrained=str(model_dir), tokenizer=str(model_dir), device=device,
+                                       dtype=dtype, batch_size=1, **common)
                 else:
-                    lm = EngineLM(model, tokenizer, mode="routed", skipper=skip, cb_config=cb_config, arm="D",
-                                  **common)
-            res = _evaluate(lm, ts, tm, limit, seed, opts.fewshot_seed)
-            result.wall_s[arm] = time.perf_counter() - t0
-            scores = per_doc_scores(res.get("samples", {}), arm)
-            if set(scores) != set(lm.records):
-                raise RuntimeError(
-                    f"arm {arm}: lm-eval scored {len(scores)} documents but {len(lm.records)} were generated"
-                )
-            result.records[arm] = dict(lm.records)
-            result.scores[arm] = scores
-            # gate early: every arm against the first one
-            first = arms[0]
-            check_prompt_hashes({first: result.records[first], arm: result.records[arm]})
-            write_json(out / f"lm_eval_{arm}.json", _jsonable({
-                "results": res.get("results"), "configs": res.get("configs"), "n-samples": res.get("n-samples"),
-                "arm": arm, "arm_desc": ARMS[arm], "wall_s": result.wall_s[arm]}))
-            if first_token_docs > 0:
-                if agreement_keys is None:
-                    agreement_keys = _agreement_keys(result.records[arm], ts, first_token_docs)
-                for key in agreement_keys:
-                    rec = result.records[arm][key]
-                    agreement_lp.setdefault(key, {})[arm] = lm.first_token_logprobs(rec.prompt_ids, rec.request_id)
-            del lm, model
+                    model = load_model(ckpt_dir if arm in ("B", "D") else model_dir, dtype=torch_dtype).to(device)
+                    if arm == "B":
+                        lm = PlainRoutedLM(model, tokenizer, skip, arm="B", **common)
+                    elif served == "http":
+                        endpoint = ServedEndpoint(model, tokenizer, SERVER_ARM[arm],
+                                                  skipper=skip if arm == "D" else None, cb_config=cb_config,
+                                                  served_model_name=f"vsk-quality-{arm}", max_logprobs=max_logprobs,
+                                                  request_timeout_s=request_timeout_s).start()
+                        mc = model.config
+                        cfg_m = mc.get_text_config() if hasattr(mc, "get_text_config") else mc
+                        lm = RecordingCompletionsLM(arm, base_url=endpoint.completions_url,
+                                                    model=endpoint.served_model_name, tokenizer=model_dir,
+                                                    max_length=max_length, eos_ids=eos_ids_of(model),
+                                                    add_bos_token=add_bos_token, num_concurrent=http_concurrency,
+                                                    timeout_s=request_timeout_s, received=endpoint.received,
+                                                    vocab_size=int(cfg_m.vocab_size), max_logprobs=max_logprobs)
+                    elif arm == "C":
+                        lm = EngineLM(model, tokenizer, mode="dense", cb_config=cb_config, arm="C", **common)
+                    else:
+                        lm = EngineLM(model, tokenizer, mode="routed", skipper=skip, cb_config=cb_config, arm="D",
+                                      **common)
+                res = _evaluate(lm, ts, tm, limit, seed, opts.fewshot_seed)
+                result.wall_s[arm] = time.perf_counter() - t0
+                scores = per_doc_scores(res.get("samples", {}), arm)
+                if set(scores) != set(lm.records):
+                    raise RuntimeError(
+                        f"arm {arm}: lm-eval scored {len(scores)} documents but {len(lm.records)} were generated"
+                    )
+                result.records[arm] = dict(lm.records)
+                result.scores[arm] = scores
+                # gate early: every arm against the first one
+                first = arms[0]
+                check_prompt_hashes({first: result.records[first], arm: result.records[arm]})
+                if first_token_docs > 0:
+                    if agreement_keys is None:
+                        agreement_keys = _agreement_keys(result.records[arm], ts, first_token_docs)
+                    for key in agreement_keys:
+                        rec = result.records[arm][key]
+                        agreement_lp.setdefault(key, {})[arm] = lm.first_token_logprobs(rec.prompt_ids, rec.request_id)
+                agg = {"results": res.get("results"), "configs": res.get("configs"), "n-samples": res.get("n-samples"),
+                       "arm": arm, "arm_desc": ARMS[arm], "wall_s": result.wall_s[arm],
+                       "served": served if arm in SERVER_ARM else "inprocess"}
+                if endpoint is not None:
+                    result.served_stats[arm] = endpoint.stats()
+                    agg.update(server_arm=SERVER_ARM[arm], server_stats=result.served_stats[arm])
+                write_json(out / f"lm_eval_{arm}.json", _jsonable(agg))
+            finally:
+                if endpoint is not None:
+                    endpoint.close()
+            del lm, model, endpoint
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
     n_docs = check_prompt_hashes(result.records)
+    result.requests = request_rows(result.records[arms[0]], ts.suite_of, max_length=max_length,
+                                   add_bos_token=add_bos_token)
+    write_jsonl(out / "requests.jsonl", result.requests)
     rows: list[dict[str, Any]] = []
     for arm in arms:
         for key, rec in sorted(result.records[arm].items()):
@@ -346,5 +429,6 @@ def run_quality(
     write_jsonl(out / "quality.jsonl", rows)
     write_json(out / "summary.json", {"config": cfg, "provenance": prov, "summary": result.summary,
                                       "first_token": result.first_token,
-                                      "wall_s": result.wall_s, "n_docs": n_docs})
+                                      "wall_s": result.wall_s, "n_docs": n_docs, "served": served,
+                                      "served_stats": _jsonable(result.served_stats)})
     return result

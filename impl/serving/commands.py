@@ -27,11 +27,20 @@ Pipeline (one rule per command in ``workflows/vskipper.smk``):
    upstream on the same schedules and replayed lengths.
 6. ``quality-cell``: the quality 2x2 of one suite (Sec. 4.3, Table 5 left; :func:`impl.quality.run_quality`):
    A = base model (lm-eval HF backend), B = the FlexiDepth checkpoint in plain PyTorch, C = base model
-   on the unmodified engine, D = the checkpoint served always-route, on the same documents and token
-   ids -> JSONL rows (documents, summaries with the DiD, first-token agreement) and a summary JSON.
-   Arms that fed different prompt token ids (the gate) become one ``kind: "rejected"`` row instead of
-   failing the DAG. (Table 5 right, the served hybrid at the knee vs always-route, is not implemented.)
-7. ``vskipper-tables`` / ``vskipper-figures``: tables and figures from the raw rows
+   served by the upstream arm, D = the checkpoint served always-route (C and D: the vSkipper HTTP
+   server started in the command's process on 127.0.0.1, port 0, with lm-eval's ``local-completions``
+   client sending token ids), on the same documents and token ids -> JSONL rows (documents,
+   summaries with the DiD, first-token agreement), a summary JSON and the documents' requests
+   (prompt ids, stop strings, budgets) for step 7. Arms that fed different prompt token ids (the gate)
+   become one ``kind: "rejected"`` row instead of failing the DAG.
+7. ``quality-served``: Table 5 (right; :func:`impl.quality.served.run_served_knee`): the documents'
+   requests of step 6 (padded with the knee workload's prompts to ``vskipper.quality.served.requests``)
+   as a seeded Poisson stream at ``vskipper.quality.served.point`` x Q* (from the knee JSON) to the
+   hybrid server (the FlexiDepth thresholds) and to the always-route server, same schedule; cut by the
+   2x2's stop rule, scored by lm-eval -> per-document rows, per-suite summaries (hybrid - always-route
+   with a 95 % interval, routed share of decode rows per arm). A failed request or a prompt-id
+   mismatch becomes one ``kind: "rejected"`` row.
+8. ``vskipper-tables`` / ``vskipper-figures``: tables and figures from the raw rows
    (:mod:`impl.serving.report`).
 """
 
@@ -45,7 +54,8 @@ from pathlib import Path
 
 log = logging.getLogger("impl.serving")
 
-__all__ = ["register", "cb_config_for", "knee_outcome", "build_served_arms", "quality_options", "quality_cb_config"]
+__all__ = ["register", "cb_config_for", "knee_outcome", "build_served_arms", "quality_options", "quality_cb_config",
+           "quality_concurrency", "served_knee_fields"]
 
 #: name of the served hybrid arm and of the baseline arm in every row
 SERVED, UPSTREAM = "vskipper", "upstream"
@@ -493,6 +503,17 @@ def quality_cb_config(engine: dict, max_length: int, n_docs: int | None):
                             max_requests_per_batch=int(engine["max_requests_per_batch"]))
 
 
+def quality_concurrency(q: dict, engine: dict, n_docs: int | None) -> int:
+    """Requests lm-eval keeps in flight against the served arms C and D: ``vskipper.quality.http_concurrency``,
+    else ``vskipper.engine.max_requests_per_batch``, capped by the number of documents (``n_docs``, None:
+    unknown). Requests beyond the engine's batch wait in its queue (the cache of :func:`quality_cb_config`
+    holds the running ones)."""
+    conc = int(q.get("http_concurrency") or engine["max_requests_per_batch"])
+    if n_docs:
+        conc = min(conc, int(n_docs))
+    return max(1, conc)
+
+
 def cmd_quality_cell(args) -> None:
     """The quality 2x2 (A/B/C/D) of one suite with the FlexiDepth checkpoint -> JSONL rows + summary JSON."""
     import shutil
@@ -520,7 +541,9 @@ def cmd_quality_cell(args) -> None:
     tok = load_tokenizer(args.model_dir)
     max_length = default_max_length(AutoConfig.from_pretrained(args.model_dir, local_files_only=True), tok)
     n_tasks = len(q["bbh_subtasks"]) if suite == "bbh" else 1
-    cb = quality_cb_config(v["engine"], max_length, None if q["limit"] is None else q["limit"] * n_tasks)
+    n_docs = None if q["limit"] is None else q["limit"] * n_tasks
+    conc = quality_concurrency(q, v["engine"], n_docs)
+    cb = quality_cb_config(v["engine"], max_length, n_docs)
     base = {"experiment": "quality", "model": v["model"], "policy": "flexidepth", "checkpoint": str(args.flexidepth)}
     run_cfg = {**cfg, "quality_suite": suite}
     work = Path(args.work_dir)
@@ -532,7 +555,8 @@ def cmd_quality_cell(args) -> None:
             res = run_quality(args.model_dir, skipper, cfg["data_dir"], (suite,), q["limit"], work,
                               options=quality_options(q, cache), device=cfg["device"], dtype=cfg["dtype"],
                               max_length=max_length, cb_config=cb, first_token_docs=int(q["first_token_docs"]),
-                              tol=float(q["tol"]), seed=int(cfg["seed"]), config=run_cfg)
+                              tol=float(q["tol"]), seed=int(cfg["seed"]), config=run_cfg, served="http",
+                              http_concurrency=conc)
         except PromptMismatchError as e:
             log.error("quality %s rejected by the prompt-hash gate: %s", suite, e)
             prov = _prov(run_cfg)
@@ -541,6 +565,8 @@ def cmd_quality_cell(args) -> None:
             write_jsonl(args.out, rows)
             write_json(args.summary, {"suite": suite, **base, "gate": "FAIL", "error": str(e), "summary": [],
                                       "first_token": [], "provenance": prov})
+            if args.requests:
+                write_jsonl(args.requests, [])
             return
     rows = [{**r, **base} for r in res.rows]
     summary = json.loads((work / "summary.json").read_text(encoding="utf-8"))
@@ -549,11 +575,106 @@ def cmd_quality_cell(args) -> None:
                    max_length=max_length)
     write_jsonl(args.out, rows)
     write_json(args.summary, summary)
+    if args.requests:
+        write_jsonl(args.requests, res.requests)
     prim = [r for r in res.summary if r.get("primary") and r.get("task") is None]
     for r in prim:
         log.info("quality %s %s: A %.1f B %.1f C %.1f D %.1f, DiD %+.2f [%+.2f, %+.2f] pp (n=%d); wall %s", suite,
                  r["metric"], r["mean_A"], r["mean_B"], r["mean_C"], r["mean_D"], r["did_mean"], r["did_ci_low"],
                  r["did_ci_high"], r["n"], {a: round(t, 1) for a, t in res.wall_s.items()})
+
+
+def served_knee_fields(knee: dict, point: str) -> dict:
+    """The rate of the served-at-knee pass: ``{"point", "factor", "rate" [req/s], "knee_status", "q_star",
+    "q_star_used", "knee_workload"}`` from a knee JSON (rule ``vskipper_knee``) and a load-point label.
+
+    Raises:
+        ValueError: naming the label when it is not one of the knee's load points.
+    """
+    if point not in (knee.get("load_factors") or {}):
+        raise ValueError(f"vskipper.quality.served.point = {point!r} is not a load point of the knee JSON "
+                         f"({', '.join(knee.get('load_factors') or {})})")
+    return {**_knee_fields(knee, point), "knee_workload": knee.get("workload")}
+
+
+def cmd_quality_served(args) -> None:
+    """Table 5 (right): one suite's documents served at the knee by the hybrid and by always-route."""
+    import shutil
+    import tempfile
+
+    from impl.provenance import read_jsonl, write_json, write_jsonl
+    from impl.quality.did import PromptMismatchError
+    from impl.quality.served import ServedStreamError, run_served_knee
+    from impl.vskipper.mode import ModeSwitch
+
+    cfg = _cfg_threads(args)
+    v = _vsk(cfg)
+    q = v.get("quality")
+    if not q:
+        raise SystemExit("error: the config has no 'vskipper.quality' section")
+    sv = q.get("served")
+    if not sv:
+        raise SystemExit("error: vskipper.quality.served is null (no served-at-knee pass)")
+    suite = args.suite
+    if suite not in q["tasks"]:
+        raise SystemExit(f"error: suite {suite!r} is not in vskipper.quality.tasks ({', '.join(q['tasks'])})")
+    knee = _read_json(args.knee)
+    kf = served_knee_fields(knee, sv["point"])
+    base = {"experiment": "quality-served", "model": v["model"], "policy": "flexidepth",
+            "checkpoint": str(args.flexidepth), **kf}
+    run_cfg = {**cfg, "quality_served_suite": suite}
+    prov = _prov(run_cfg)
+
+    def reject(reason: str, err: Exception, rows=()) -> None:
+        log.error("quality-served %s rejected (%s): %s", suite, reason, err)
+        rej = {"kind": "rejected", "suite": suite, **base, "reason": reason, "error": f"{type(err).__name__}: {err}",
+               **prov}
+        write_jsonl(args.out, [*rows, rej])
+        write_json(args.summary, {"suite": suite, **base, "status": "rejected", "error": str(err), "summary": [],
+                                  "provenance": prov})
+
+    if knee["status"] != "ok" and knee.get("on_boundary") == "skip":
+        write_jsonl(args.out, [{"kind": "skipped", "suite": suite, **base,
+                                "reason": f"knee not bracketed ({knee['status']})", **prov}])
+        write_json(args.summary, {"suite": suite, **base, "status": "skipped", "summary": [], "provenance": prov})
+        return
+    reqs = [r for r in read_jsonl(args.requests) if r.get("kind", "request") == "request"]
+    if not reqs:
+        reject("no requests", ValueError(f"{args.requests} has no document requests (the quality cell was rejected?)"))
+        return
+    thr = _read_json(args.thresholds)
+    switch = ModeSwitch.from_thresholds(thr["thresholds"])
+    pads = read_jsonl(args.prompts) if args.prompts else []
+    n_req = v["requests"] if sv["requests"] is None else int(sv["requests"])
+    work = Path(args.work_dir)
+    if work.exists():
+        shutil.rmtree(work)
+    with tempfile.TemporaryDirectory(prefix="vsk_served_hf_") as cache:
+        try:
+            res = run_served_knee(args.model_dir, f"flexidepth:{args.flexidepth}", reqs, cfg["data_dir"], suite,
+                                  rate=kf["rate"], switch=switch, out=work, limit=q["limit"],
+                                  options=quality_options(q, cache), pad_prompts=pads, n_requests=n_req,
+                                  pad_max_tokens=int(v["max_new_tokens"]), seed=int(cfg["seed"]), device=cfg["device"],
+                                  dtype=cfg["dtype"], engine=v["engine"], timeout_s=float(v["timeout_s"]),
+                                  extra=base, config=run_cfg, run_id=prov["run_id"])
+        except ServedStreamError as e:
+            reject("failed requests", e, e.rows)
+            return
+        except PromptMismatchError as e:
+            reject("prompt-hash gate", e)
+            return
+    rows = [{**r, **base} for r in res.rows]
+    summary = json.loads((work / "summary.json").read_text(encoding="utf-8"))
+    summary.pop("config", None)
+    summary.update(suite=suite, status="ok", **base, limit=q["limit"], served=sv, switch=switch.to_dict())
+    write_jsonl(args.out, rows)
+    write_json(args.summary, summary)
+    for r in res.summary:
+        if r.get("primary") and r.get("task") is None:
+            log.info("served %s at %s (%.4g req/s): hybrid %.1f always-route %.1f, diff %+.2f [%+.2f, %+.2f] pp "
+                     "(n=%d); routed decode rows %.3f / %.3f", suite, kf["point"], kf["rate"], r["mean_hybrid"],
+                     r["mean_always-route"], r["diff_mean"], r["diff_ci_low"], r["diff_ci_high"], r["n"],
+                     r["routed_share_hybrid"], r["routed_share_always-route"])
 
 
 # --------------------------------------------------------------------------------- tables / figures
@@ -565,7 +686,7 @@ def cmd_vskipper_tables(args) -> None:
 
     tabs = vskipper_tables(knees=args.knee, thresholds=args.thresholds, flexidepth=args.flexidepth,
                            cells=args.cells, ablations=args.ablation, randomskip=args.randomskip,
-                           quality=args.quality)
+                           quality=args.quality, quality_served=args.quality_served)
     for name, df in tabs.items():
         write_table(df, Path(args.out_dir) / name)
     log.info("vSkipper tables -> %s", args.out_dir)
@@ -642,6 +763,24 @@ def register(add) -> None:
                     help="run directory (replaced): generated task YAMLs, lm-eval aggregates per arm")
     sp.add_argument("--out", required=True, help="JSONL rows to write (doc / summary / first_token)")
     sp.add_argument("--summary", required=True, help="summary JSON to write")
+    sp.add_argument("--requests", default=None,
+                    help="JSONL to write: each document's request (prompt ids, stop strings, budget), "
+                         "for quality-served")
+
+    sp = add("quality-served", cmd_quality_served,
+             "Table 5 right: one suite's documents served at the knee by the hybrid and by always-route "
+             "(Poisson stream)")
+    sp.add_argument("--model-dir", required=True, help="the base model (vskipper.model)")
+    sp.add_argument("--flexidepth", required=True, help="FlexiDepth checkpoint directory")
+    sp.add_argument("--thresholds", required=True,
+                    help="profile-mode JSON of the FlexiDepth policy (the hybrid's switch)")
+    sp.add_argument("--knee", required=True, help="knee JSON of the load workload giving Q*")
+    sp.add_argument("--requests", required=True, help="quality-cell --requests JSONL of the suite")
+    sp.add_argument("--prompts", default=None, help="token-id prompts of the knee workload (stream padding)")
+    sp.add_argument("--suite", required=True, choices=list(QUALITY_TASKS))
+    sp.add_argument("--work-dir", required=True, help="run directory (replaced): task YAMLs, lm-eval aggregates")
+    sp.add_argument("--out", required=True, help="JSONL rows to write (served_doc / _request / _arm / _summary)")
+    sp.add_argument("--summary", required=True, help="summary JSON to write")
 
     sp = add("vskipper-tables", cmd_vskipper_tables,
              "vSkipper tables from the raw rows (Tables 2-4, ablation, Fig. 3 data)")
@@ -653,6 +792,8 @@ def register(add) -> None:
     sp.add_argument("--randomskip", nargs="*", default=[], help="randomskip-map JSONL files")
     sp.add_argument("--quality", nargs="*", default=None,
                     help="quality-cell JSONL files (given, even empty: also write vskipper_table5 / _first_token)")
+    sp.add_argument("--quality-served", nargs="*", default=None,
+                    help="quality-served JSONL files (given, even empty: also write vskipper_table5_served)")
     sp.add_argument("--out-dir", required=True)
 
     sp = add("vskipper-figures", cmd_vskipper_figures, "vSkipper figures (Fig. 3 map, knee sweeps) from the tables")

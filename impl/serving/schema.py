@@ -52,8 +52,17 @@ Keys (units in brackets):
   ``bbh/tasks/``), ``gsm8k_num_fewshot`` (GSM8K few-shot examples; BBH uses the three CoT exemplars of
   its prompt file, CoQA is zero-shot), ``max_gen_toks`` [tokens] per suite (generation budget; each
   must leave room for a prompt in the tiny context), ``first_token_docs`` (documents per suite whose
-  top-5 first-token log-probabilities are compared across arms, App. E.1; 0 = none) and ``tol``
-  [nats] (agreement tolerance, paper: 0.01).
+  top-5 first-token log-probabilities are compared across arms, App. E.1; 0 = none), ``tol``
+  [nats] (agreement tolerance, paper: 0.01), ``http_concurrency`` (requests lm-eval keeps in flight
+  against the served arms C and D; null = ``vskipper.engine.max_requests_per_batch``, capped by the
+  documents) and ``served``: the served-at-knee pass of rule ``vskipper_quality_served`` (Table 5
+  right: the checkpoint served by the hybrid and by always-route under a seeded Poisson stream;
+  :mod:`impl.quality.served`), null = no such rule, else a mapping (defaults :data:`SERVED_DEFAULTS`)
+  with ``point`` (a label of ``load_points``: the stream's rate is that multiple of Q*; paper: the knee,
+  0.95 x Q*), ``workload`` (whose knee JSON gives Q*: a key of ``vskipper.workloads``; null = the suite
+  itself when it is a load workload, else the first load workload - the tiny default sweeps only
+  GSM8K) and ``requests`` (requests in the stream, padded with the knee workload's frozen prompts at
+  ``max_new_tokens``, not scored; null = ``vskipper.requests``; 0 = the scored documents only).
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["SECTION", "DEFAULTS", "DEFAULT_LOAD_POINTS", "ABLATION_ARMS", "QUALITY_TASKS", "QUALITY_DEFAULTS",
-           "check"]
+           "SERVED_DEFAULTS", "served_knee_workload", "check"]
 
 #: ablation arm names (a subset of :data:`impl.vskipper.mode.ABLATIONS`; no torch import here)
 ABLATION_ARMS = ("prefill-only", "decode-only", "no-promotion", "always-route")
@@ -81,7 +90,11 @@ QUALITY_DEFAULTS: dict[str, Any] = {
     "max_gen_toks": {"gsm8k": 64, "bbh": 64, "coqa": 32},
     "first_token_docs": 1,
     "tol": 0.01,
+    "http_concurrency": None,
 }
+#: defaults of ``vskipper.quality.served`` (the served-at-knee pass, Table 5 right), merged under a given
+#: mapping; ``served: null`` turns the pass off
+SERVED_DEFAULTS: dict[str, Any] = {"point": "knee", "workload": None, "requests": None}
 _LANES = ("matched", "natural")
 
 _POS_INT = {"type": "integer", "minimum": 1}
@@ -166,6 +179,13 @@ SECTION: dict[str, Any] = {
             "max_gen_toks": _obj({s: _POS_INT for s in QUALITY_TASKS}),
             "first_token_docs": {"type": "integer", "minimum": 0},
             "tol": _POS_NUM,
+            "http_concurrency": {"oneOf": [{"type": "null"}, _POS_INT]},
+            # object or null (null: no served-at-knee rule); errors name the sub-key
+            "served": {**_obj({
+                "point": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_]*$"},
+                "workload": {"enum": [None, *_SUITES]},
+                "requests": {"type": ["integer", "null"], "minimum": 0},
+            }), "type": ["object", "null"]},
         }, required=("tasks",)),
     }),
     "description": "vSkipper serving experiments (Sec. 4: knee, matched-work cells, ablations, RandomSkip map); "
@@ -211,6 +231,18 @@ def _check_quality(cfg: dict[str, Any], v: dict[str, Any]) -> None:
             q[k] = {**val, **(q.get(k) or {})}
         elif k not in q:
             q[k] = list(val) if isinstance(val, list) else val
+    if "served" not in q:
+        q["served"] = dict(SERVED_DEFAULTS)
+    elif q["served"] is not None:
+        q["served"] = {**SERVED_DEFAULTS, **q["served"]}
+    sv = q["served"]
+    if sv is not None:
+        if sv["point"] not in v["load_points"]:
+            raise _error(f"'vskipper.quality.served.point' = '{sv['point']}' is not a label of 'vskipper.load_points' "
+                         f"({', '.join(v['load_points'])})")
+        if sv["workload"] is not None and sv["workload"] not in v["workloads"]:
+            raise _error(f"'vskipper.quality.served.workload' = '{sv['workload']}' is not one of 'vskipper.workloads' "
+                         f"({', '.join(v['workloads'])}): only their knee is swept")
     bbh = Path(str(cfg.get("data_dir", ""))) / "bbh" / "tasks"
     if "bbh" in q["tasks"] and bbh.is_dir():
         for i, name in enumerate(q["bbh_subtasks"]):
@@ -223,6 +255,22 @@ def _check_quality(cfg: dict[str, Any], v: dict[str, Any]) -> None:
             if n >= ctx // 2:
                 raise _error(f"'vskipper.quality.max_gen_toks.{suite}' = {n} leaves fewer than half of "
                              f"'tiny_arch.max_position_embeddings' = {ctx} positions for the prompt")
+
+
+def served_knee_workload(v: dict[str, Any], suite: str) -> str:
+    """The load workload whose knee gives the served-at-knee rate of quality suite ``suite``:
+    ``vskipper.quality.served.workload`` when set, else ``suite`` when it is one of ``vskipper.workloads``,
+    else the first of them.
+
+    Raises:
+        KeyError: when the quality section or its ``served`` mapping is absent.
+    """
+    sv = v["quality"]["served"]
+    if sv is None:
+        raise KeyError("vskipper.quality.served is null: no served-at-knee pass")
+    if sv.get("workload"):
+        return sv["workload"]
+    return suite if suite in v["workloads"] else v["workloads"][0]
 
 
 def check(cfg: dict[str, Any]) -> None:

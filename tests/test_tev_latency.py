@@ -15,6 +15,7 @@ import functools
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -102,14 +103,15 @@ def test_gathered_law_equals_reference(seed, n, v, d, kind, chain, dtype):
     g = torch.Generator().manual_seed(seed)
     t = _random_tree(g, n, v, d, chain)
     probs = _rows(g, t, v, kind, dtype)
-    P0, rho0, w0 = exit_law(t.parents, t.tokens, probs)
-    par_t, tok_t = torch.tensor(t.parents), torch.tensor(t.tokens)
-    for row_sums in (None, probs.sum(-1)):
-        P, rho, w = law_from_gathered(par_t, tok_t, probs, row_sums)
-        assert P.dtype == rho.dtype == w.dtype == torch.float64
-        torch.testing.assert_close(P, P0, rtol=1e-6, atol=1e-12)
-        torch.testing.assert_close(rho, rho0, rtol=1e-6, atol=1e-9)
-        torch.testing.assert_close(w, w0, rtol=1e-6, atol=1e-12)
+    P0, rho0, w0 = (x.numpy() for x in exit_law(t.parents, t.tokens, probs))
+    trees = [(t.parents, t.tokens), (torch.tensor(t.parents), torch.tensor(t.tokens)),
+             (np.array(t.parents), np.array(t.tokens))]
+    for (par, tok), row_sums in zip(trees, (None, probs.sum(-1), probs.sum(-1).double().numpy())):
+        P, rho, w = law_from_gathered(par, tok, probs, row_sums)
+        assert isinstance(w, np.ndarray) and P.dtype == rho.dtype == w.dtype == np.float64
+        np.testing.assert_allclose(P, P0, rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(rho, rho0, rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(w, w0, rtol=1e-6, atol=1e-12)
         assert ((w == 0) == (w0 == 0)).all() and ((rho == 0) == (rho0 == 0)).all()  # exact zeros
 
 
@@ -118,12 +120,28 @@ def test_gathered_law_renormalises_with_row_sums():
     t = _random_tree(g, 12, 10, 4)
     probs = _rows(g, t, 10, "soft", torch.float64) * torch.linspace(1 - 8e-5, 1 + 8e-5, 12)[:, None].double()
     _, _, w0 = exit_law(t.parents, t.tokens, probs)
-    _, _, w = law_from_gathered(torch.tensor(t.parents), torch.tensor(t.tokens), probs, probs.sum(-1))
-    torch.testing.assert_close(w, w0, rtol=1e-12, atol=1e-15)
+    _, _, w = law_from_gathered(t.parents, t.tokens, probs, probs.sum(-1))
+    np.testing.assert_allclose(w, w0.numpy(), rtol=1e-12, atol=1e-15)
+
+
+def test_gathered_law_other_dtypes_and_strides():
+    """bfloat16 rows go through the torch gather; a non-contiguous view is read in place."""
+    g = torch.Generator().manual_seed(5)
+    t = _random_tree(g, 30, 40, 5)
+    probs = _rows(g, t, 40, "soft", torch.float64)
+    _, _, w0 = exit_law(t.parents, t.tokens, probs)
+    wide = torch.zeros(len(t), 80, dtype=torch.float64)
+    wide[:, ::2] = probs
+    _, _, w = law_from_gathered(t.parents, t.tokens, wide[:, ::2])
+    np.testing.assert_allclose(w, w0.numpy(), rtol=1e-12, atol=1e-15)
+    bf = probs.to(torch.bfloat16)
+    _, _, w1 = law_from_gathered(t.parents, t.tokens, bf, bf.double().sum(-1))
+    _, _, w2 = exit_law(t.parents, t.tokens, bf.double() / bf.double().sum(-1, keepdim=True))
+    np.testing.assert_allclose(w1, w2.numpy(), rtol=1e-9, atol=1e-12)
 
 
 def test_root_only_law():
-    P, rho, w = law_from_gathered(torch.tensor([-1]), torch.tensor([3]), torch.tensor([[0.5, 0.5]]))
+    P, rho, w = law_from_gathered([-1], [3], torch.tensor([[0.5, 0.5]]))
     assert P.tolist() == rho.tolist() == w.tolist() == [1.0]
 
 

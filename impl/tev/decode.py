@@ -181,14 +181,18 @@ def _forward(target, ids: torch.Tensor, position_ids: torch.Tensor, mask, cache,
 
 def commit_cache(cache, prefix_len: int, n_tree: int, path: Sequence[int]) -> None:
     """Keep the cached prefix and the KV rows of the accepted ``path`` (tree node ids, root first),
-    dropping the other tree rows, in every layer of a ``DynamicCache``.
+    dropping the other tree rows, in every layer of a ``DynamicCache`` (DDTree's compaction; the
+    commit stage of TEV App. D.1 / Table 3).
 
-    Only the tree window is touched (DDTree's compaction): the rows of the path that are not already
-    in place (from its first non-contiguous node on) are gathered and written right after the
-    in-place prefix of the path, then the cache is cropped to ``prefix_len + len(path)``. A path that
-    is contiguous from the root needs only the crop. The cached prefix is never copied; the layer
-    tensors are written in place (another reference to them, e.g. a shallow copy of the cache, sees
-    the compaction: copy a cache with ``copy.deepcopy`` before committing on it).
+    Only the tree window is touched: the rows of the path that are not already in place (from its
+    first node u with u != its index on) are gathered with one ``index_select`` per layer tensor and
+    written with one ``index_copy_`` right after the in-place prefix of the path; then every layer
+    tensor is cropped to ``prefix_len + len(path)`` positions by an in-place metadata change (no
+    copy, no new tensor). A path that is contiguous from the root (``path == [0, 1, ..., k-1]``, e.g.
+    a root-only exit) needs only the crop. The cached prefix is never copied.
+
+    The layer tensors are modified in place: another reference to them (e.g. a shallow copy of the
+    cache) sees the compaction; copy a cache with ``copy.deepcopy`` before committing on it.
 
     Args:
         cache: transformers ``DynamicCache`` holding ``prefix_len + n_tree`` positions.
@@ -200,32 +204,35 @@ def commit_cache(cache, prefix_len: int, n_tree: int, path: Sequence[int]) -> No
         ValueError: a cache of another length, or a path that is not increasing from the root.
         NotImplementedError: a layer type that cannot be gathered (sliding window, ...).
     """
+    from transformers.cache_utils import DynamicLayer
+
     path = [int(u) for u in path]
-    if not path or path[0] != 0 or any(b <= a for a, b in zip(path, path[1:])) or path[-1] >= n_tree:
+    k = len(path)
+    if not path or path[0] != 0 or path[-1] >= n_tree or any(b <= a for a, b in zip(path, path[1:])):
         raise ValueError(f"path must be increasing node ids from the root 0 within {n_tree} nodes, got {path}")
     if cache.get_seq_length() != prefix_len + n_tree:
         raise ValueError(f"cache holds {cache.get_seq_length()} positions, expected {prefix_len + n_tree}")
-    k = len(path)
     j = next((i for i, u in enumerate(path) if u != i), k)  # path[:j] == 0..j-1 is already in place
     layers = cache.layers
+    dynamic = all(type(layer) is DynamicLayer for layer in layers)
     if j < k:
+        if not dynamic and any(getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") for layer in layers):
+            raise NotImplementedError("cannot gather rows of a sliding-window (or keyless) cache layer")
+        idx = {}
         for layer in layers:
-            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
-                raise NotImplementedError(f"cannot gather rows of a {type(layer).__name__} cache layer")
-        src = None
-        for layer in layers:
-            if src is None or src.device != layer.keys.device:
-                src = torch.tensor(path[j:], dtype=torch.long, device=layer.keys.device) + prefix_len
             for t in (layer.keys, layer.values):
-                t.narrow(-2, prefix_len + j, k - j).copy_(t.index_select(-2, src))
+                if t.device not in idx:
+                    idx[t.device] = (torch.tensor([prefix_len + u for u in path[j:]], device=t.device),
+                                     torch.arange(prefix_len + j, prefix_len + k, device=t.device))
+                src, dst = idx[t.device]
+                t.index_copy_(-2, dst, t.index_select(-2, src))
     if n_tree > k:
-        from transformers.cache_utils import DynamicLayer
-
-        if all(type(layer) is DynamicLayer for layer in layers):  # crop by narrowing in place
+        if dynamic:  # crop each layer tensor in place to its first prefix_len + k positions
             keep = prefix_len + k
             for layer in layers:
-                layer.keys = layer.keys.narrow(-2, 0, keep)
-                layer.values = layer.values.narrow(-2, 0, keep)
+                for t in (layer.keys, layer.values):
+                    size = t.shape
+                    t.as_strided_((*size[:-2], keep, size[-1]), t.stride())
         else:
             cache.crop(-(n_tree - k))
 

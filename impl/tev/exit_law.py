@@ -13,13 +13,17 @@ C_p(T) is the expected number of accepted *draft* tokens D of any saturated veri
 output-block length, which counts the bonus token (the project's tau), is 1 + C_p(T) (Eq. 9, 11).
 
 All arithmetic is float64. :func:`exit_law` (the reference) renormalises the rows of ``probs`` in
-float64 before use. The verifiers in :mod:`impl.tev.verify` use :func:`law_from_gathered`, which
-reads only the N - 1 edge probabilities (plus, when validating, the row sums) and agrees with the
-reference to the precision of float32 rows (~1e-7 relative), exact zeros included.
+float64 before use. :func:`impl.tev.verify.tev` uses :func:`law_from_gathered`, which reads only
+the N - 1 edge probabilities (plus, when validating, the row sums), works on N-long float64 host
+vectors, and agrees with the reference to the precision of float32 rows (~1e-7 relative), exact
+zeros included.
 """
 
 from __future__ import annotations
 
+import operator
+
+import numpy as np
 import torch
 
 from .tree import IntSeq, depth_levels, validate_tree
@@ -104,74 +108,179 @@ def _law(par: list[int], tok: list[int], depths: list[int], p: torch.Tensor):
 RHO_RECHECK = 1e-4
 
 
+def gather_f64(probs: torch.Tensor, rows: np.ndarray, cols: np.ndarray | None = None) -> np.ndarray:
+    """float64 host (numpy) copy of ``probs[rows, cols]`` (``cols`` None: the whole rows).
+
+    A float32 / float64 CPU tensor is read through its zero-copy numpy view, so only the requested
+    entries are touched; any other tensor (another device or dtype) is gathered by torch and the
+    result (``len(rows)`` values, or rows) copied to the host.
+
+    Args:
+        probs: floating ``[N, V]`` tensor.
+        rows: int64 ``[M]`` row ids.
+        cols: int64 ``[M]`` column ids, or None.
+
+    Returns:
+        float64 ``[M]`` (entries) or ``[M, V]`` (rows), a fresh array.
+    """
+    if probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64):
+        a = (probs.detach() if probs.requires_grad else probs).numpy()
+        out = a[rows] if cols is None else a[rows, cols]
+        return out.astype(np.float64)
+    r = torch.from_numpy(rows).to(probs.device)
+    out = probs.detach()[r] if cols is None else probs.detach()[r, torch.from_numpy(cols).to(probs.device)]
+    return out.to(torch.float64).cpu().numpy()
+
+
+def _recheck_small_rho(rho: np.ndarray, pa: np.ndarray, tok: np.ndarray, probs: torch.Tensor) -> None:
+    """Recompute in place, from v's float64 row, every rho(v) < RHO_RECHECK of a node with children:
+    mass outside v's drafted children over the row total (exactly 0 when there is none)."""
+    n = rho.shape[0]
+    has_child = np.zeros(n, dtype=bool)
+    has_child[pa] = True
+    cand = np.flatnonzero(has_child & (rho < RHO_RECHECK))
+    rows = gather_f64(probs, cand)
+    total = rows.sum(1)
+    slot = np.full(n, -1, dtype=np.int64)
+    slot[cand] = np.arange(cand.size)
+    e = np.flatnonzero(slot[pa] >= 0)  # edges (child id - 1) hanging under a candidate
+    rows[slot[pa[e]], tok[e + 1]] = 0.0
+    rho[cand] = rows.sum(1) / total
+
+
 def law_from_gathered(
-    par_t: torch.Tensor, tok_t: torch.Tensor, probs: torch.Tensor, row_sums: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(P, rho, w) from the N - 1 gathered edge probabilities only (fast path of :func:`exit_law`).
+    parents, tokens, probs: torch.Tensor, row_sums=None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(P, rho, w) from the N - 1 gathered edge probabilities only (the fast path of :func:`exit_law`
+    used by :func:`impl.tev.verify.tev`; TEV App. B, Algorithm 1 lines 3-7).
 
-    The level-parallel law of Algorithm 1 (lines 3-7) without a pass over the ``[N, V]`` matrix:
-    q(u) = p_{pa(u)}(x_u) is one gather of N - 1 entries; rho is one ``index_add``; P(v), the
-    product of q along v's root path, is computed by pointer doubling (after k rounds every node
-    holds the product of q over its 2^k nearest path nodes and a pointer to its 2^k-th ancestor, the
-    root being a fixed point with q = 1), i.e. max(3, ceil(log2(max depth))) rounds of two gathers
-    and a product, with no per-node or per-level Python loop and no depth computation. All products
-    are float64.
+    Level-parallel, with a fixed handful of array operations and no pass over the ``[N, V]`` matrix:
+    q(u) = p_{pa(u)}(x_u) is one gather of N - 1 entries; rho(v) = 1 - sum_{u in Ch(v)} q(u) is one
+    ``bincount``; P(v), the product of q along v's root path, is computed by pointer doubling (after
+    k rounds every node holds the product of q over its 2^k nearest path nodes and a pointer to its
+    2^k-th ancestor, the root a fixed point with q = 1): three rounds for depth <= 8, one more per
+    doubling of the depth, each two gathers and a product. The arrays are N-long float64 numpy
+    vectors on the host: at these sizes the cost is per-operation dispatch, which numpy keeps ~3x
+    below torch on a CPU (only the N - 1 gathered values cross from another device).
 
-    Normalisation: with ``row_sums`` (e.g. from a validation pass) every q is divided by its
-    parent's row sum, as :func:`check_target_probs` renormalises; without it the rows are taken to
-    sum to 1 (true of a float32 softmax to ~1e-7, the precision of the rows themselves). Either
-    way, where the computed rho(v) is below :data:`RHO_RECHECK` it is recomputed exactly from v's
-    float64 row (mass outside v's drafted children over the row total), so rho(v) is exactly 0 iff
-    p_v has no mass outside its children, as in :func:`exit_law`.
+    Normalisation: with ``row_sums`` (e.g. from a validation pass) every q is divided by its parent's
+    row sum, as :func:`check_target_probs` renormalises; without it the rows are taken to sum to 1
+    (true of a float32 softmax to ~1e-7, the precision of the rows themselves). Either way, where the
+    computed rho(v) is below :data:`RHO_RECHECK` it is recomputed exactly from v's float64 row (mass
+    outside v's drafted children over the row total), so rho(v) is exactly 0 iff p_v has no mass
+    outside its children, as in :func:`exit_law`.
 
     No validation: the caller guarantees a valid tree (``0 <= parents[v] < v``, distinct sibling
     tokens, in-vocabulary tokens) and non-negative rows with positive sums.
 
     Args:
-        par_t: int64 ``[N]`` parents (``par_t[0] == -1``) on ``probs.device``.
-        tok_t: int64 ``[N]`` incoming tokens on ``probs.device`` (the root's entry, a token id or -1,
-            is not used).
-        probs: floating ``[N, V]`` target rows p_v.
-        row_sums: optional ``[N]`` row sums of ``probs``.
+        parents: int64 ``[N]`` parents (``parents[0] == -1``): a numpy array (no copy), a list or a
+            CPU tensor.
+        tokens: int64 ``[N]`` incoming tokens, same kinds (the root's entry is not used).
+        probs: floating ``[N, V]`` target rows p_v, on any device.
+        row_sums: optional ``[N]`` row sums of ``probs`` (numpy or CPU tensor).
 
     Returns:
-        ``(P, rho, w)`` float64 ``[N]``, as :func:`exit_law` (agreeing to ~1e-7 relative for
-        float32 rows).
+        ``(P, rho, w)`` float64 numpy ``[N]``, as :func:`exit_law` (agreeing to ~1e-7 relative for
+        float32 rows; exact zeros of rho and w where :func:`exit_law` has them).
     """
-    n = probs.shape[0]
-    dev = probs.device
-    f64 = torch.float64
+    par = np.asarray(parents, dtype=np.int64)
+    tok = np.asarray(tokens, dtype=np.int64)
+    n = par.shape[0]
     if n == 1:
-        one = torch.ones(1, dtype=f64, device=dev)
-        return one, one.clone(), one.clone()
-    anc = par_t.clamp_min(0)  # the root points to itself (a fixed point of the doubling below)
-    q = probs[anc, tok_t].to(f64)  # q[u] = p_{pa(u)}(x_u); the root's entry is overwritten
+        return np.ones(1), np.ones(1), np.ones(1)
+    pa = par[1:]
+    q = gather_f64(probs, pa, tok[1:])  # q[u - 1] = p_{pa(u)}(x_u)
     if row_sums is not None:
-        q /= row_sums.to(f64)[anc]
-    pa = anc[1:]
-    rho = torch.ones(n, dtype=f64, device=dev).index_add_(0, pa, q[1:], alpha=-1.0)  # <= 1 as q >= 0
-    q[0] = 1.0
-    if float(rho.min()) < RHO_RECHECK:  # rare: recompute those rows exactly (exact zeros, no rounding below 0)
-        has_child = torch.zeros(n, dtype=torch.bool, device=dev)
-        has_child[pa] = True
-        cand = torch.nonzero(has_child & (rho < RHO_RECHECK)).flatten()
-        if cand.numel():
-            slot = torch.full((n,), -1, dtype=torch.long, device=dev)
-            slot[cand] = torch.arange(cand.numel(), device=dev)
-            rows = probs[cand].to(f64)
-            total = rows.sum(-1)
-            e = torch.nonzero(slot[pa] >= 0).flatten() + 1  # edges (child ids) under a candidate
-            rows[slot[anc[e]], tok_t[e]] = 0.0
-            rho[cand] = rows.sum(-1) / total
-    # P by pointer doubling over the root paths (three unconditional rounds cover depth <= 8)
-    P = q
-    for _ in range(3):
-        P = P * P[anc]
+        q /= np.asarray(row_sums, dtype=np.float64)[pa]
+    rho = 1.0 - np.bincount(pa, weights=q, minlength=n)
+    if rho.min() < RHO_RECHECK:  # rare: recompute those rows exactly (exact zeros, no rounding below 0)
+        _recheck_small_rho(rho, pa, tok, probs)
+    P = np.empty(n)
+    P[0] = 1.0
+    P[1:] = q
+    anc = par.copy()
+    anc[0] = 0  # the root points to itself
+    for _ in range(3):  # P by pointer doubling over the root paths (three rounds cover depth <= 8)
+        P *= P[anc]
         anc = anc[anc]
-    while bool(anc.any()):
-        P = P * P[anc]
+    while anc.any():
+        P *= P[anc]
         anc = anc[anc]
     return P, rho, P * rho
+
+
+def host_view(probs: torch.Tensor) -> memoryview | None:
+    """A flat, zero-copy ``memoryview`` of a C-contiguous float32 / float64 CPU ``probs``
+    (``view[v * V + a] == float(probs[v, a])``), or None for any other tensor (other device, dtype
+    or layout), which the readers below then access through torch."""
+    if probs.device.type != "cpu" or probs.dtype not in (torch.float32, torch.float64) or not probs.is_contiguous():
+        return None
+    a = (probs.detach() if probs.requires_grad else probs).numpy()
+    return memoryview(a).cast("B").cast("f" if probs.dtype == torch.float32 else "d")
+
+
+def edge_probs(parents: list[int], tokens: list[int], probs: torch.Tensor, host: memoryview | None = None) -> list[float]:
+    """q(u) = p_{pa(u)}(x_u) for u = 1..N-1 (the edge probabilities of Algorithm 1, line 7), as
+    Python floats: N - 1 reads, nothing else of ``probs`` is touched.
+
+    Args:
+        parents, tokens: the tree as ``list[int]`` (validated).
+        probs: floating ``[N, V]``.
+        host: :func:`host_view` of ``probs`` (read directly), or None (one torch gather).
+
+    Returns:
+        ``list[float]`` of length N - 1, entry u - 1 for node u.
+    """
+    v_size = probs.shape[1]
+    if host is not None:
+        return [host[p * v_size + t] for p, t in zip(parents[1:], tokens[1:])]
+    if len(parents) == 1:
+        return []
+    idx = torch.tensor([p * v_size + t for p, t in zip(parents[1:], tokens[1:])], device=probs.device)
+    return probs.detach().reshape(-1).take(idx).tolist()
+
+
+def law_one_pass(
+    parents: list[int], tokens: list[int], q: list[float], probs: torch.Tensor, row_sums: list[float] | None = None,
+) -> tuple[list[float], list[float], list[float]]:
+    """(P, rho, w) of Algorithm 1, lines 3-7, from the edge probabilities ``q`` in one pass over the
+    nodes in id order (a parent precedes its children, so P(pa(v)) is final when P(v) is formed).
+
+    The same recurrences as the level-parallel forms (:func:`exit_law`, :func:`law_from_gathered`)
+    and the same float64 arithmetic, on Python floats: at draft-tree sizes (N <= a few hundred) the
+    whole law costs ~40 ns a node, below the dispatch cost of a single tensor operation, so it beats
+    any vectorised form on a CPU, warm or cold. rho(v) below :data:`RHO_RECHECK` is recomputed
+    exactly from v's float64 row (exact zeros, as :func:`exit_law`).
+
+    Args:
+        parents, tokens: the tree as ``list[int]`` (validated: ``0 <= parents[v] < v``).
+        q: :func:`edge_probs` of the tree (entry u - 1 for node u).
+        probs: floating ``[N, V]`` target rows (read only for the rare exact rho recomputation).
+        row_sums: optional per-node row sums; each q is then divided by its parent's (renormalised
+            rows, as :func:`check_target_probs`); None takes the rows to sum to 1.
+
+    Returns:
+        ``(P, rho, w)``, three ``list[float]`` of length N (as :func:`exit_law`, to ~1e-7 relative
+        for float32 rows, exact zeros included).
+    """
+    n = len(parents)
+    pa = parents[1:]
+    if row_sums is not None:
+        q = [x / row_sums[p] for x, p in zip(q, pa)]
+    P = [1.0]
+    cov = [0.0] * n  # sum of the children's edge probabilities
+    for p, x in zip(pa, q):  # node v = len(P): its parent p < v is final
+        P.append(P[p] * x)
+        cov[p] += x
+    rho = [1.0 - c for c in cov]
+    if max(cov) > 1.0 - RHO_RECHECK:  # rare: only nodes with children can get here
+        for v in [v for v in range(n) if rho[v] < RHO_RECHECK]:
+            row = probs[v].detach().to(torch.float64, copy=True)
+            total = float(row.sum())
+            row[torch.tensor([t for p, t in zip(parents, tokens) if p == v], device=row.device)] = 0.0
+            rho[v] = float(row.sum()) / total
+    return P, rho, list(map(operator.mul, P, rho))
 
 
 def exit_law(

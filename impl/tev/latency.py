@@ -11,7 +11,7 @@ target tree forward. :func:`verifier_latency` reproduces that protocol:
 2. on each tree it times every verifier (``validate=False``: the tree was validated when it was
    built and the rows are a softmax) plus :func:`impl.tev.decode.commit_cache` of its accepted path
    on a fresh copy of that cache, interleaved: ``warmup + repeats`` passes over the verifiers, each
-   pass in a rotated order, the warm-up passes discarded, the copies made before the first pass,
+   pass in a fresh seeded random order, the warm-up passes discarded, the copies made before the first pass,
    the garbage collector paused and everything under ``torch.inference_mode`` (as DDTree's
    generation loop runs);
 3. the round then commits one exact path (TEV's, untimed) to the real cache and decoding continues.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import random
 import statistics
 import time
 from typing import Callable, Mapping, Sequence
@@ -76,11 +77,15 @@ def _resolve(verifiers) -> dict[str, Callable]:
 
 
 def _time_tree(arms: dict[str, Callable], gens: dict[str, torch.Generator], parents, tokens, probs, cache,
-               prefix_len: int, repeats: int, warmup: int, offset: int) -> dict[str, list[tuple[float, float, int]]]:
+               prefix_len: int, repeats: int, warmup: int, order_seed: str) -> dict[str, list[tuple[float, float, int]]]:
     """``warmup + repeats`` interleaved passes over the arms on one tree; returns per arm the timed
     ``(decision_s, commit_s, tau)`` of the non-warm-up passes. All cache copies are made before the
-    first pass, so no copy (and no large allocation) runs between timed calls."""
+    first pass, so no copy (and no large allocation) runs between timed calls. Each pass visits the
+    arms in a fresh random order (``random.Random(order_seed)``): a rotation would keep every arm's
+    predecessor fixed, so the arm after a cache-thrashing one (the multinomial predraw) would always
+    start cold."""
     names = list(arms)
+    rng = random.Random(order_seed)
     n = len(parents)
     out: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
     copies = [[_clone_cache(cache) for _ in names] for _ in range(warmup + repeats)]
@@ -88,8 +93,8 @@ def _time_tree(arms: dict[str, Callable], gens: dict[str, torch.Generator], pare
     gc.disable()
     try:
         for rep in range(warmup + repeats):
-            k = (rep + offset) % len(names)
-            for name, c in zip(names[k:] + names[:k], copies[rep]):
+            order = rng.sample(names, len(names))
+            for name, c in zip(order, copies[rep]):
                 _sync(probs.device)
                 t0 = time.perf_counter()
                 path, _ = arms[name](parents, tokens, probs, gens[name], validate=False)
@@ -232,7 +237,7 @@ def verifier_latency(
                     probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
                 cp = target_coverage(tree.parents, tree.tokens, probs)
                 timed = _time_tree(arms, gens, tree.parents, tree.tokens, probs, cache, prefix_len, repeats, warmup,
-                                   offset=len(cps))
+                                   order_seed=f"{seed}:{budget}:{len(cps)}")
                 for name, got in timed.items():
                     calls[name] += got
                     per_tree[name].append(_median([a + b for a, b, _ in got]))

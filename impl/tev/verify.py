@@ -30,14 +30,13 @@ run under ``torch.inference_mode`` (they return Python ints only).
 
 from __future__ import annotations
 
-import array
 import bisect
 import itertools
 from typing import Callable
 
 import torch
 
-from .exit_law import PROB_ATOL, check_target_probs, law_from_gathered
+from .exit_law import PROB_ATOL, check_target_probs, edge_probs, host_view, law_one_pass
 from .tree import IntSeq, path_to, validate_tree
 
 Verifier = Callable[..., tuple[list[int], int]]
@@ -75,18 +74,6 @@ def _lists(parents: IntSeq, tokens: IntSeq) -> tuple[list[int], list[int]]:
     return par, tok
 
 
-def _tree_tensors(parents: IntSeq, tokens: IntSeq, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``[N]`` parents and tokens on ``device`` (lists go through one C-level buffer copy,
-    several times cheaper than ``torch.tensor`` on a list)."""
-    if isinstance(parents, torch.Tensor) and isinstance(tokens, torch.Tensor):
-        return parents.to(device, torch.long), tokens.to(device, torch.long)
-    par, tok = _lists(parents, tokens)
-    both = torch.frombuffer(array.array("q", list(par) + list(tok)), dtype=torch.int64).view(2, -1)
-    if device.type != "cpu":
-        both = both.to(device)
-    return both[0], both[1]
-
-
 def _checked(parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, atol: float):
     """Validate the tree and the rows cheaply (no float64 copy of ``probs``).
 
@@ -116,6 +103,19 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> int:
     i = int(torch.searchsorted(c, u * c[-1:], right=True))
     if i >= c.numel():  # u * total rounded up to the total, or a zero / non-finite total
         total = float(c[-1])
+        if not 0 < total < float("inf"):
+            raise ValueError(f"cannot sample from weights with total {total}")
+        i = int(torch.nonzero(weights > 0).flatten()[-1])
+    return i
+
+
+def _inverse_cdf_at(weights: torch.Tensor, u: float) -> int:
+    """As :func:`_inverse_cdf` for a float64 1-D tensor ``weights`` and a Python float uniform ``u``
+    (the same float64 target ``u * total``, passed to ``searchsorted`` as a scalar)."""
+    c = weights.cumsum(0)
+    total = float(c[-1])
+    i = int(torch.searchsorted(c, u * total, right=True))
+    if i >= c.numel():  # u * total rounded up to the total, or a zero / non-finite total
         if not 0 < total < float("inf"):
             raise ValueError(f"cannot sample from weights with total {total}")
         i = int(torch.nonzero(weights > 0).flatten()[-1])
@@ -323,6 +323,60 @@ def sequential_residual(
         path.append(accepted)
 
 
+def _residual_draw(probs: torch.Tensor, v: int, drafted: list[tuple[int, float]], u: float,
+                   host: memoryview | None) -> int:
+    """Y ~ p_v^res for the uniform ``u``: exact inverse CDF of row v with the ``drafted`` tokens
+    (pairs ``(token, p_v(token))``) removed, as a two-level search that reads the row once.
+
+    One torch reduction gives the float64 sums of ~sqrt(V)-sized blocks; the drafted tokens' mass is
+    taken off their blocks; the block is located on the (Python float) cumulative block sums, then
+    the token on the cumulative sums of that block's entries (drafted ones zeroed). If rounding
+    between the levels lands past the block or on a zero entry (probability ~1e-16), the exact
+    one-level float64 search over the zeroed row is used with the same uniform, so a drafted or
+    zero-probability token is never returned; on rows whose partial sums are exact (e.g. on a 2^-24
+    grid) both levels return the one-level index exactly.
+    """
+    row = probs[v].detach()
+    v_size = row.shape[0]
+    blk = _block(v_size)
+    nb, full = v_size // blk, (v_size // blk) * blk
+    sums = (row if full == v_size else row[:full]).reshape(nb, blk).sum(1, dtype=torch.float64).tolist()
+    if full < v_size:
+        sums.append(float(row[full:].sum(dtype=torch.float64)))
+    for a, x in drafted:
+        sums[a // blk] -= x
+    if drafted and min(sums) < 0:  # rounding: a block left with (almost) nothing
+        sums = [x if x > 0 else 0.0 for x in sums]
+    c = list(itertools.accumulate(sums))
+    target = u * c[-1]
+    b = bisect.bisect_right(c, target)
+    if b < len(c):
+        lo, hi = b * blk, min(b * blk + blk, v_size)
+        within = host[v * v_size + lo:v * v_size + hi].tolist() if host is not None else row[lo:hi].tolist()
+        for a, _ in drafted:
+            if lo <= a < hi:
+                within[a - lo] = 0.0
+        j = bisect.bisect_right(list(itertools.accumulate(within)), target - (c[b - 1] if b else 0.0))
+        if j < len(within) and within[j] > 0:
+            return lo + j
+    res = row.to(torch.float64, copy=True)  # rounding between the levels (or an empty residual): exact path
+    if drafted:
+        res[torch.tensor([a for a, _ in drafted], device=res.device)] = 0.0
+    return _inverse_cdf_at(res, u)
+
+
+def _inverse_cdf_list(weights: list[float], u: float) -> int:
+    """As :func:`_inverse_cdf` for a list of non-negative floats and a Python float uniform."""
+    c = list(itertools.accumulate(weights))
+    total = c[-1]
+    i = bisect.bisect_right(c, u * total)
+    if i >= len(c):  # u * total rounded up to the total, or a zero / non-finite total
+        if not 0 < total < float("inf"):
+            raise ValueError(f"cannot sample from weights with total {total}")
+        i = max(k for k, x in enumerate(weights) if x > 0)
+    return i
+
+
 @torch.inference_mode()
 def tev(
     parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL,
@@ -330,23 +384,23 @@ def tev(
 ) -> tuple[list[int], int]:
     """Tree Exit Verification (TEV Sec. 4; App. B, Algorithm 1; exactness in Corollary 2).
 
-    Computes the canonical exit law w level-parallel (Algorithm 1, lines 3-7) from the N - 1
-    gathered edge probabilities (:func:`impl.tev.exit_law.law_from_gathered`: one gather, one
-    ``index_add`` for rho, pointer doubling for P; no per-node Python loop and no float64 copy of
-    ``probs``), draws the exit node V ~ Categorical(w) (line 8) and one bonus token Y ~ p_V^res,
-    i.e. p_V with V's drafted child tokens removed (p_V itself at a leaf; line 9), converting only
-    row V. The accepted path is the root path of V.
+    Reads the N - 1 edge probabilities q(u) = p_{pa(u)}(x_u) (:func:`impl.tev.exit_law.edge_probs`),
+    forms the canonical exit law w = P rho from them (Algorithm 1, lines 3-7;
+    :func:`impl.tev.exit_law.law_one_pass`), draws the exit node V ~ Categorical(w) (line 8) and one
+    bonus token Y ~ p_V^res, i.e. p_V with V's drafted child tokens removed (p_V itself at a leaf;
+    line 9), reading row V once (:func:`_residual_draw`). The accepted path is the root path of V.
+    Nothing of size N x V is touched: N - 1 entries, one row, and N-sized float64 work.
 
     Args:
         parents: N parent indices; tokens: N incoming tokens (see module docstring); lists or 1-D
-            int64 tensors (tensors on ``probs.device`` avoid a conversion).
+            integer tensors.
         probs: floating ``[N, V]`` target distributions p_v.
-        generator: ``torch.Generator`` on ``probs.device`` (exactly two categorical draws).
+        generator: ``torch.Generator`` on ``probs.device``: with ``sampler="cdf"`` one call draws the
+            two float64 uniforms (exit, then bonus); with ``"multinomial"`` two ``torch.multinomial``.
         atol: row-sum tolerance of ``probs``.
         validate: as :func:`predraw_follow`; with False the rows are also taken to be normalised (a
-            float32 softmax is, to ~1e-7) and are not re-summed (see
-            :func:`impl.tev.exit_law.law_from_gathered`); with True they are renormalised by the row
-            sums of the validation pass.
+            float32 softmax is, to ~1e-7) and are not re-summed; with True the edge probabilities
+            are divided by the row sums of the validation pass.
         sampler: primitive of the two draws, as :func:`predraw_follow`.
 
     Returns:
@@ -357,16 +411,26 @@ def tev(
     """
     _check_generator(generator)
     _check_choice("sampler", sampler, SAMPLERS)
-    dev = probs.device
     row_sums = None
     if validate:
-        parents, tokens, row_sums = _checked(parents, tokens, probs, atol)
-    par_t, tok_t = _tree_tensors(parents, tokens, dev)
-    _, _, w = law_from_gathered(par_t, tok_t, probs, row_sums)
-    exit_node = _categorical(w, generator, sampler)
-    res = probs[exit_node].to(torch.float64, copy=True)
-    res[tok_t[par_t == exit_node]] = 0.0  # A(V): the drafted child tokens (the root's parent is -1)
-    return path_to(parents, exit_node), _categorical(res, generator, sampler)
+        par, tok, s = _checked(parents, tokens, probs, atol)
+        row_sums = s.tolist()
+    else:
+        par, tok = _lists(parents, tokens)
+    host = host_view(probs)
+    q = edge_probs(par, tok, probs, host)
+    _, _, w = law_one_pass(par, tok, q, probs, row_sums)
+    if sampler == "cdf":
+        u_exit, u_bonus = torch.rand(2, dtype=torch.float64, generator=generator, device=probs.device).tolist()
+        v = _inverse_cdf_list(w, u_exit)
+        drafted = [(t, x) for p, t, x in zip(par[1:], tok[1:], q) if p == v]  # A(V) and p_V there
+        return path_to(par, v), _residual_draw(probs, v, drafted, u_bonus, host)
+    v = int(torch.multinomial(torch.tensor(w, dtype=torch.float64, device=probs.device), 1, generator=generator))
+    res = probs[v].detach().to(torch.float64, copy=True)
+    drafted_tokens = [t for p, t in zip(par, tok) if p == v]
+    if drafted_tokens:
+        res[torch.tensor(drafted_tokens, device=res.device)] = 0.0
+    return path_to(par, v), _categorical(res, generator, sampler)
 
 
 def greedy_follow(parents: IntSeq, tokens: IntSeq, argmax_ids: IntSeq) -> tuple[list[int], int]:

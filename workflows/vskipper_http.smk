@@ -12,10 +12,12 @@ if CFG.get("vskipper") and TINY_MODELS:
     VSKH_DIR = f"{RESULTS}/vskipper/http"
     VSKH_SUITE = VSKH["workloads"][0]  # prompts: the first vSkipper workload's token ids per model
     VSKH_CKPT = f"{MODELS}/{VSKH['model']}-flexidepth"  # rule vskipper_train_flexidepth
-    # Settings without config keys (yet): 4 requests x 16 tokens per client check, 4 GSM8K documents for
-    # lm-eval, RandomSkip r = d = 0.5 (seed / layer_choice from vskipper.randomskip); the engine sizes come
-    # from vskipper.engine and lm-eval's few-shot / budget from vskipper.quality (gsm8k) when present.
-    VSKH_ARGS = "--n-prompts 4 --max-tokens 16 --limit 4 --r 0.5 --d 0.5"
+    # vskipper.http: requests x tokens per client check, GSM8K documents for lm-eval, RandomSkip r and d
+    # (seed / layer_choice from vskipper.randomskip); the engine sizes come from vskipper.engine and lm-eval's
+    # few-shot / budget from vskipper.quality (gsm8k) when present.
+    _vskh = VSKH["http"]
+    VSKH_ARGS = (f"--n-prompts {_vskh['n_prompts']} --max-tokens {_vskh['max_tokens']} --limit {_vskh['limit']} "
+                 f"--r {_vskh['r']} --d {_vskh['d']}")
 
     def vskh_inputs(w):
         d = {"model": str(model_dir(CFG, w.model)), "prompts": f"{RESULTS}/workloads/{w.model}/{VSKH_SUITE}.jsonl"}

@@ -170,6 +170,14 @@ SECTION: dict[str, Any] = {
             "seed": {"type": "integer", "minimum": 0},
             "layer_choice": {"enum": ["per_row", "fixed"]},
         }),
+        # rule vskipper_http: every engine arm over HTTP on every tiny model (impl.vskipper.http_check)
+        "http": _obj({
+            "n_prompts": {**_POS_INT, "description": "requests per OpenAI-client check"},
+            "max_tokens": {**_POS_INT, "description": "tokens per request (EOS ignored)"},
+            "limit": {**_POS_INT, "description": "GSM8K documents served to lm-eval local-completions"},
+            "r": _FRACTION,
+            "d": _FRACTION,
+        }),
         "quality": _obj({
             "tasks": {"type": "array", "items": {"enum": list(QUALITY_TASKS)}, "minItems": 1, "uniqueItems": True},
             "limit": {"oneOf": [{"type": "null"}, _POS_INT]},
@@ -211,6 +219,7 @@ DEFAULTS: dict[str, Any] = {
     "ablation_repetitions": 1,
     "randomskip": {"r": [0.25, 0.5, 0.75], "d": [0.25, 0.5, 0.75], "point": "knee", "repetitions": 1,
                    "requests": None, "seed": 0, "layer_choice": "per_row"},
+    "http": {"n_prompts": 4, "max_tokens": 16, "limit": 4, "r": 0.5, "d": 0.5},
 }
 
 

@@ -229,10 +229,15 @@ def commit_cache(cache, prefix_len: int, n_tree: int, path: Sequence[int]) -> No
     if n_tree > k:
         if dynamic:  # crop each layer tensor in place to its first prefix_len + k positions
             keep = prefix_len + k
+            geometry = {}  # (shape, strides) -> cropped shape: layers usually share one
             for layer in layers:
                 for t in (layer.keys, layer.values):
-                    size = t.shape
-                    t.as_strided_((*size[:-2], keep, size[-1]), t.stride())
+                    stride = t.stride()
+                    key = (t.shape, stride)
+                    size = geometry.get(key)
+                    if size is None:
+                        size = geometry[key] = (*key[0][:-2], keep, key[0][-1])
+                    t.as_strided_(size, stride)
         else:
             cache.crop(-(n_tree - k))
 

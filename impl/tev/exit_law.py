@@ -13,17 +13,16 @@ C_p(T) is the expected number of accepted *draft* tokens D of any saturated veri
 output-block length, which counts the bonus token (the project's tau), is 1 + C_p(T) (Eq. 9, 11).
 
 All arithmetic is float64. :func:`exit_law` (the reference) renormalises the rows of ``probs`` in
-float64 before use. :func:`impl.tev.verify.tev` uses :func:`law_from_gathered`, which reads only
-the N - 1 edge probabilities (plus, when validating, the row sums), works on N-long float64 host
-vectors, and agrees with the reference to the precision of float32 rows (~1e-7 relative), exact
-zeros included.
+float64 before use. :func:`impl.tev.verify.tev` uses :func:`edge_probs` and :func:`law_one_pass`,
+which read only the N - 1 edge probabilities (plus, when validating, the row sums), form the same
+recurrences in one pass over the nodes, and agree with the reference to the precision of float32
+rows (~1e-7 relative), exact zeros included.
 """
 
 from __future__ import annotations
 
 import operator
 
-import numpy as np
 import torch
 
 from .tree import IntSeq, depth_levels, validate_tree
@@ -104,116 +103,14 @@ def _law(par: list[int], tok: list[int], depths: list[int], p: torch.Tensor):
     return P, rho, P * rho
 
 
-#: rho values below this are recomputed exactly from the float64 row in :func:`law_from_gathered`
+#: rho values below this are recomputed exactly from the float64 row in :func:`law_one_pass`
 RHO_RECHECK = 1e-4
-
-
-def gather_f64(probs: torch.Tensor, rows: np.ndarray, cols: np.ndarray | None = None) -> np.ndarray:
-    """float64 host (numpy) copy of ``probs[rows, cols]`` (``cols`` None: the whole rows).
-
-    A float32 / float64 CPU tensor is read through its zero-copy numpy view, so only the requested
-    entries are touched; any other tensor (another device or dtype) is gathered by torch and the
-    result (``len(rows)`` values, or rows) copied to the host.
-
-    Args:
-        probs: floating ``[N, V]`` tensor.
-        rows: int64 ``[M]`` row ids.
-        cols: int64 ``[M]`` column ids, or None.
-
-    Returns:
-        float64 ``[M]`` (entries) or ``[M, V]`` (rows), a fresh array.
-    """
-    if probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64):
-        a = (probs.detach() if probs.requires_grad else probs).numpy()
-        out = a[rows] if cols is None else a[rows, cols]
-        return out.astype(np.float64)
-    r = torch.from_numpy(rows).to(probs.device)
-    out = probs.detach()[r] if cols is None else probs.detach()[r, torch.from_numpy(cols).to(probs.device)]
-    return out.to(torch.float64).cpu().numpy()
-
-
-def _recheck_small_rho(rho: np.ndarray, pa: np.ndarray, tok: np.ndarray, probs: torch.Tensor) -> None:
-    """Recompute in place, from v's float64 row, every rho(v) < RHO_RECHECK of a node with children:
-    mass outside v's drafted children over the row total (exactly 0 when there is none)."""
-    n = rho.shape[0]
-    has_child = np.zeros(n, dtype=bool)
-    has_child[pa] = True
-    cand = np.flatnonzero(has_child & (rho < RHO_RECHECK))
-    rows = gather_f64(probs, cand)
-    total = rows.sum(1)
-    slot = np.full(n, -1, dtype=np.int64)
-    slot[cand] = np.arange(cand.size)
-    e = np.flatnonzero(slot[pa] >= 0)  # edges (child id - 1) hanging under a candidate
-    rows[slot[pa[e]], tok[e + 1]] = 0.0
-    rho[cand] = rows.sum(1) / total
-
-
-def law_from_gathered(
-    parents, tokens, probs: torch.Tensor, row_sums=None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(P, rho, w) from the N - 1 gathered edge probabilities only (the fast path of :func:`exit_law`
-    used by :func:`impl.tev.verify.tev`; TEV App. B, Algorithm 1 lines 3-7).
-
-    Level-parallel, with a fixed handful of array operations and no pass over the ``[N, V]`` matrix:
-    q(u) = p_{pa(u)}(x_u) is one gather of N - 1 entries; rho(v) = 1 - sum_{u in Ch(v)} q(u) is one
-    ``bincount``; P(v), the product of q along v's root path, is computed by pointer doubling (after
-    k rounds every node holds the product of q over its 2^k nearest path nodes and a pointer to its
-    2^k-th ancestor, the root a fixed point with q = 1): three rounds for depth <= 8, one more per
-    doubling of the depth, each two gathers and a product. The arrays are N-long float64 numpy
-    vectors on the host: at these sizes the cost is per-operation dispatch, which numpy keeps ~3x
-    below torch on a CPU (only the N - 1 gathered values cross from another device).
-
-    Normalisation: with ``row_sums`` (e.g. from a validation pass) every q is divided by its parent's
-    row sum, as :func:`check_target_probs` renormalises; without it the rows are taken to sum to 1
-    (true of a float32 softmax to ~1e-7, the precision of the rows themselves). Either way, where the
-    computed rho(v) is below :data:`RHO_RECHECK` it is recomputed exactly from v's float64 row (mass
-    outside v's drafted children over the row total), so rho(v) is exactly 0 iff p_v has no mass
-    outside its children, as in :func:`exit_law`.
-
-    No validation: the caller guarantees a valid tree (``0 <= parents[v] < v``, distinct sibling
-    tokens, in-vocabulary tokens) and non-negative rows with positive sums.
-
-    Args:
-        parents: int64 ``[N]`` parents (``parents[0] == -1``): a numpy array (no copy), a list or a
-            CPU tensor.
-        tokens: int64 ``[N]`` incoming tokens, same kinds (the root's entry is not used).
-        probs: floating ``[N, V]`` target rows p_v, on any device.
-        row_sums: optional ``[N]`` row sums of ``probs`` (numpy or CPU tensor).
-
-    Returns:
-        ``(P, rho, w)`` float64 numpy ``[N]``, as :func:`exit_law` (agreeing to ~1e-7 relative for
-        float32 rows; exact zeros of rho and w where :func:`exit_law` has them).
-    """
-    par = np.asarray(parents, dtype=np.int64)
-    tok = np.asarray(tokens, dtype=np.int64)
-    n = par.shape[0]
-    if n == 1:
-        return np.ones(1), np.ones(1), np.ones(1)
-    pa = par[1:]
-    q = gather_f64(probs, pa, tok[1:])  # q[u - 1] = p_{pa(u)}(x_u)
-    if row_sums is not None:
-        q /= np.asarray(row_sums, dtype=np.float64)[pa]
-    rho = 1.0 - np.bincount(pa, weights=q, minlength=n)
-    if rho.min() < RHO_RECHECK:  # rare: recompute those rows exactly (exact zeros, no rounding below 0)
-        _recheck_small_rho(rho, pa, tok, probs)
-    P = np.empty(n)
-    P[0] = 1.0
-    P[1:] = q
-    anc = par.copy()
-    anc[0] = 0  # the root points to itself
-    for _ in range(3):  # P by pointer doubling over the root paths (three rounds cover depth <= 8)
-        P *= P[anc]
-        anc = anc[anc]
-    while anc.any():
-        P *= P[anc]
-        anc = anc[anc]
-    return P, rho, P * rho
 
 
 def host_view(probs: torch.Tensor) -> memoryview | None:
     """A flat, zero-copy ``memoryview`` of a C-contiguous float32 / float64 CPU ``probs``
-    (``view[v * V + a] == float(probs[v, a])``), or None for any other tensor (other device, dtype
-    or layout), which the readers below then access through torch."""
+    (``view[v * V + a] == float(probs[v, a])``), or None for any other tensor (another device,
+    dtype or layout), which :func:`edge_probs` then reads through torch."""
     if probs.device.type != "cpu" or probs.dtype not in (torch.float32, torch.float64) or not probs.is_contiguous():
         return None
     a = (probs.detach() if probs.requires_grad else probs).numpy()
@@ -221,11 +118,11 @@ def host_view(probs: torch.Tensor) -> memoryview | None:
 
 
 def edge_probs(parents: list[int], tokens: list[int], probs: torch.Tensor, host: memoryview | None = None) -> list[float]:
-    """q(u) = p_{pa(u)}(x_u) for u = 1..N-1 (the edge probabilities of Algorithm 1, line 7), as
-    Python floats: N - 1 reads, nothing else of ``probs`` is touched.
+    """q(u) = p_{pa(u)}(x_u) for u = 1..N-1, the edge probabilities of Algorithm 1 (line 7), as
+    Python floats (exact copies of the entries): N - 1 reads, nothing else of ``probs``.
 
     Args:
-        parents, tokens: the tree as ``list[int]`` (validated).
+        parents, tokens: the tree as ``list[int]`` (validated; ``tokens[u] < V``).
         probs: floating ``[N, V]``.
         host: :func:`host_view` of ``probs`` (read directly), or None (one torch gather).
 
@@ -245,24 +142,26 @@ def law_one_pass(
     parents: list[int], tokens: list[int], q: list[float], probs: torch.Tensor, row_sums: list[float] | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """(P, rho, w) of Algorithm 1, lines 3-7, from the edge probabilities ``q`` in one pass over the
-    nodes in id order (a parent precedes its children, so P(pa(v)) is final when P(v) is formed).
+    nodes in id order: a parent precedes its children, so P(pa(v)) is final when P(v) is formed.
 
-    The same recurrences as the level-parallel forms (:func:`exit_law`, :func:`law_from_gathered`)
-    and the same float64 arithmetic, on Python floats: at draft-tree sizes (N <= a few hundred) the
-    whole law costs ~40 ns a node, below the dispatch cost of a single tensor operation, so it beats
-    any vectorised form on a CPU, warm or cold. rho(v) below :data:`RHO_RECHECK` is recomputed
-    exactly from v's float64 row (exact zeros, as :func:`exit_law`).
+    The recurrences and float64 arithmetic of :func:`exit_law` (whose level-wise form is the
+    reference): P(v) = P(pa(v)) q(v) (Eq. 2), rho(v) = 1 - sum_{u in Ch(v)} q(u), w = P rho (Eq. 4).
+    Work is O(N) on Python floats; at draft-tree sizes (N <= a few hundred) that is cheaper than
+    the dispatch of the dozen tensor operations of a vectorised (level-parallel / pointer-doubling)
+    form, on a CPU with warm or cold caches alike. rho(v) below :data:`RHO_RECHECK` is recomputed
+    exactly from v's float64 row, so rho(v) is exactly 0 iff p_v has no mass outside its children.
 
     Args:
         parents, tokens: the tree as ``list[int]`` (validated: ``0 <= parents[v] < v``).
         q: :func:`edge_probs` of the tree (entry u - 1 for node u).
         probs: floating ``[N, V]`` target rows (read only for the rare exact rho recomputation).
-        row_sums: optional per-node row sums; each q is then divided by its parent's (renormalised
-            rows, as :func:`check_target_probs`); None takes the rows to sum to 1.
+        row_sums: optional per-node row sums; each q is then divided by its parent's (the rows are
+            renormalised, as :func:`check_target_probs` does); None takes the rows to sum to 1 (a
+            float32 softmax does, to ~1e-7, the precision of the rows themselves).
 
     Returns:
-        ``(P, rho, w)``, three ``list[float]`` of length N (as :func:`exit_law`, to ~1e-7 relative
-        for float32 rows, exact zeros included).
+        ``(P, rho, w)``, three ``list[float]`` of length N, equal to :func:`exit_law` to ~1e-7
+        relative for float32 rows, exact zeros included.
     """
     n = len(parents)
     pa = parents[1:]
@@ -270,11 +169,11 @@ def law_one_pass(
         q = [x / row_sums[p] for x, p in zip(q, pa)]
     P = [1.0]
     cov = [0.0] * n  # sum of the children's edge probabilities
-    for p, x in zip(pa, q):  # node v = len(P): its parent p < v is final
+    for p, x in zip(pa, q):  # node v = len(P), whose parent p < v is final
         P.append(P[p] * x)
         cov[p] += x
     rho = [1.0 - c for c in cov]
-    if max(cov) > 1.0 - RHO_RECHECK:  # rare: only nodes with children can get here
+    if max(cov) > 1.0 - RHO_RECHECK:  # rare: recompute from the rows (only nodes with children get here)
         for v in [v for v in range(n) if rho[v] < RHO_RECHECK]:
             row = probs[v].detach().to(torch.float64, copy=True)
             total = float(row.sum())

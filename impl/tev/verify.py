@@ -336,15 +336,16 @@ def _residual_draw(probs: torch.Tensor, v: int, drafted: list[tuple[int, float]]
     zero-probability token is never returned; on rows whose partial sums are exact (e.g. on a 2^-24
     grid) both levels return the one-level index exactly.
     """
-    row = probs[v].detach()
+    row = probs[v]  # (the verifiers run under inference mode: nothing is recorded)
     v_size = row.shape[0]
     blk = _block(v_size)
-    nb, full = v_size // blk, (v_size // blk) * blk
+    sh = blk.bit_length() - 1  # blk is a power of two: block of token a = a >> sh
+    nb, full = v_size >> sh, (v_size >> sh) << sh
     sums = (row if full == v_size else row[:full]).reshape(nb, blk).sum(1, dtype=torch.float64).tolist()
     if full < v_size:
         sums.append(float(row[full:].sum(dtype=torch.float64)))
     for a, x in drafted:
-        sums[a // blk] -= x
+        sums[a >> sh] -= x
     if drafted and min(sums) < 0:  # rounding: a block left with (almost) nothing
         sums = [x if x > 0 else 0.0 for x in sums]
     c = list(itertools.accumulate(sums))

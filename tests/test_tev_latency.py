@@ -1,9 +1,10 @@
 """Verifier-stage latency benchmark (impl.tev.latency, TEV App. D.1 / Table 3) and the fast paths it
-times (impl.tev.verify, impl.tev.exit_law.law_from_gathered, impl.tev.decode.commit_cache).
+times (impl.tev.verify, impl.tev.exit_law.edge_probs / law_from_edges, impl.tev.decode.commit_cache).
 
-Fast paths against reference implementations: the gathered exit law equals the float64 reference
-:func:`exit_law` (exact zeros included); the batched two-level inverse CDF returns exactly the
-one-level float64 inverse-CDF index for the same uniforms and never a zero-probability token; each
+Fast paths against reference implementations: the one-pass exit law from the gathered edge
+probabilities equals the float64 reference :func:`exit_law` (exact zeros included); the batched
+two-level inverse CDF (predraw) and TEV's two-level residual bonus draw return exactly the one-level
+float64 inverse-CDF index for the same uniforms and never a zero-probability (or drafted) token; each
 verifier gives the same output as a reference written from the definitions with the same generator
 consumption (validate=True and validate=False alike); the sampler / draw-mode variants keep the
 committed-block law (chi-square); the in-place KV commit equals a full gather. The benchmark runs on a
@@ -12,6 +13,7 @@ with each other and with 1 + mean C_p. No timing is asserted (machines are noisy
 """
 
 import functools
+import itertools
 import math
 from collections import Counter
 
@@ -21,12 +23,14 @@ import torch
 from scipy import stats
 
 from impl.tev.decode import FixedDrafter, commit_cache
-from impl.tev.exit_law import exit_law, law_from_gathered, residual_distribution
+from impl.tev.exit_law import edge_probs, exit_cdf, exit_law, host_view, law_from_edges, residual_distribution
 from impl.tev.latency import DEFAULT_VERIFIERS, TargetChainDrafter, bigram_drafter, verifier_latency
 from impl.tev.tree import DraftTree, path_to
 from impl.tev.verify import (
     VERIFIERS,
     _categorical,
+    _residual_draw,
+    _search_cdf,
     _categorical_rows,
     inverse_cdf_rows,
     predraw_follow,
@@ -97,51 +101,87 @@ CASES = [(seed, n, v, d, kind, chain) for seed, (n, v, d, kind, chain) in enumer
 ])]
 
 
+def _arrays(t):
+    return np.asarray(t.parents, dtype=np.int64), np.asarray(t.tokens, dtype=np.int64)
+
+
+def _fast_law(t, probs, row_sums=None, host=True):
+    pa, tk = _arrays(t)
+    q = edge_probs(pa, tk, probs, host_view(probs) if host else None)
+    rs = None if row_sums is None else np.asarray(row_sums, dtype=np.float64)
+    return (x.tolist() for x in law_from_edges(pa, tk, q, probs, rs))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("seed,n,v,d,kind,chain", CASES)
-def test_gathered_law_equals_reference(seed, n, v, d, kind, chain, dtype):
+def test_fast_law_equals_reference(seed, n, v, d, kind, chain, dtype):
     g = torch.Generator().manual_seed(seed)
     t = _random_tree(g, n, v, d, chain)
     probs = _rows(g, t, v, kind, dtype)
-    P0, rho0, w0 = (x.numpy() for x in exit_law(t.parents, t.tokens, probs))
-    trees = [(t.parents, t.tokens), (torch.tensor(t.parents), torch.tensor(t.tokens)),
-             (np.array(t.parents), np.array(t.tokens))]
-    for (par, tok), row_sums in zip(trees, (None, probs.sum(-1), probs.sum(-1).double().numpy())):
-        P, rho, w = law_from_gathered(par, tok, probs, row_sums)
-        assert isinstance(w, np.ndarray) and P.dtype == rho.dtype == w.dtype == np.float64
-        np.testing.assert_allclose(P, P0, rtol=1e-6, atol=1e-12)
-        np.testing.assert_allclose(rho, rho0, rtol=1e-6, atol=1e-9)
-        np.testing.assert_allclose(w, w0, rtol=1e-6, atol=1e-12)
-        assert ((w == 0) == (w0 == 0)).all() and ((rho == 0) == (rho0 == 0)).all()  # exact zeros
+    P0, rho0, w0 = (x.tolist() for x in exit_law(t.parents, t.tokens, probs))
+    for host, row_sums in [(True, None), (False, None), (True, probs.sum(-1).tolist())]:
+        P, rho, w = _fast_law(t, probs, row_sums, host)
+        assert all(isinstance(x, float) for x in P + rho + w) and len(w) == n
+        torch.testing.assert_close(torch.tensor(P), torch.tensor(P0), rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(torch.tensor(rho), torch.tensor(rho0), rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(torch.tensor(w), torch.tensor(w0), rtol=1e-6, atol=1e-12)
+        assert [x == 0 for x in w] == [x == 0 for x in w0] and [x == 0 for x in rho] == [x == 0 for x in rho0]
 
 
-def test_gathered_law_renormalises_with_row_sums():
+@pytest.mark.parametrize("seed,n,v,d,kind,chain", CASES)
+def test_exit_cdf_is_the_cumulative_law(seed, n, v, d, kind, chain):
+    """TEV's hot path samples from the cumulative sums of w: the same floats as accumulating the w of
+    law_from_edges left to right (both branches: with and without the exact rho recheck)."""
+    g = torch.Generator().manual_seed(seed)
+    t = _random_tree(g, n, v, d, chain)
+    probs = _rows(g, t, v, kind)
+    pa, tk = _arrays(t)
+    q = edge_probs(pa, tk, probs, host_view(probs))
+    for row_sums in (None, probs.sum(-1).double().numpy()):
+        _, _, w = law_from_edges(pa, tk, q, probs, row_sums)
+        c = exit_cdf(pa, tk, q, probs, row_sums)
+        np.testing.assert_allclose(c, list(itertools.accumulate(w.tolist())), rtol=1e-13, atol=0)
+
+
+def test_search_cdf_never_returns_a_zero_weight():
+    c = np.cumsum([0.0, 0.25, 0.0, 0.75, 0.0])
+    assert [_search_cdf(c, u) for u in (0.0, 0.2, 0.25, 0.9, 1 - 2 ** -53, 1.0)] == [1, 1, 3, 3, 3, 3]
+    with pytest.raises(ValueError, match="total"):
+        _search_cdf(np.zeros(2), 0.5)
+
+
+def test_fast_law_renormalises_with_row_sums():
     g = torch.Generator().manual_seed(3)
     t = _random_tree(g, 12, 10, 4)
     probs = _rows(g, t, 10, "soft", torch.float64) * torch.linspace(1 - 8e-5, 1 + 8e-5, 12)[:, None].double()
     _, _, w0 = exit_law(t.parents, t.tokens, probs)
-    _, _, w = law_from_gathered(t.parents, t.tokens, probs, probs.sum(-1))
-    np.testing.assert_allclose(w, w0.numpy(), rtol=1e-12, atol=1e-15)
+    _, _, w = _fast_law(t, probs, probs.sum(-1).tolist())
+    torch.testing.assert_close(torch.tensor(w, dtype=torch.float64), w0, rtol=1e-12, atol=1e-15)
 
 
-def test_gathered_law_other_dtypes_and_strides():
-    """bfloat16 rows go through the torch gather; a non-contiguous view is read in place."""
+def test_edge_probs_read_only_the_edges_of_any_layout():
+    """The zero-copy host view (contiguous float32 / float64 CPU rows) and the torch gather (any
+    other tensor: a strided view, bfloat16) return the same exact entries."""
     g = torch.Generator().manual_seed(5)
     t = _random_tree(g, 30, 40, 5)
-    probs = _rows(g, t, 40, "soft", torch.float64)
-    _, _, w0 = exit_law(t.parents, t.tokens, probs)
-    wide = torch.zeros(len(t), 80, dtype=torch.float64)
+    probs = _rows(g, t, 40, "soft", torch.float32)
+    want = [float(probs[p, x]) for p, x in zip(t.parents[1:], t.tokens[1:])]
+    pa, tk = _arrays(t)
+    assert host_view(probs) is not None
+    assert edge_probs(pa, tk, probs, host_view(probs)).tolist() == want == edge_probs(pa, tk, probs).tolist()
+    wide = torch.zeros(len(t), 80)
     wide[:, ::2] = probs
-    _, _, w = law_from_gathered(t.parents, t.tokens, wide[:, ::2])
-    np.testing.assert_allclose(w, w0.numpy(), rtol=1e-12, atol=1e-15)
+    assert edge_probs(pa, tk, wide[:, ::2], host_view(wide[:, ::2])).tolist() == want  # strided view
+    assert edge_probs(pa, tk, wide[:, ::2]).tolist() == want
     bf = probs.to(torch.bfloat16)
-    _, _, w1 = law_from_gathered(t.parents, t.tokens, bf, bf.double().sum(-1))
-    _, _, w2 = exit_law(t.parents, t.tokens, bf.double() / bf.double().sum(-1, keepdim=True))
-    np.testing.assert_allclose(w1, w2.numpy(), rtol=1e-9, atol=1e-12)
+    assert host_view(bf) is None
+    assert edge_probs(pa, tk, bf).tolist() == [float(bf[p, x]) for p, x in zip(t.parents[1:], t.tokens[1:])]
+    root = np.array([-1]), np.array([3])
+    assert edge_probs(*root, probs[:1]).tolist() == edge_probs(*root, probs[:1], host_view(probs[:1])).tolist() == []
 
 
 def test_root_only_law():
-    P, rho, w = law_from_gathered([-1], [3], torch.tensor([[0.5, 0.5]]))
+    P, rho, w = law_from_edges(np.array([-1]), np.array([3]), np.zeros(0), torch.tensor([[0.5, 0.5]]))
     assert P.tolist() == rho.tolist() == w.tolist() == [1.0]
 
 
@@ -171,6 +211,36 @@ def test_two_level_inverse_cdf_equals_one_level(v):
     top = torch.full((n,), 1 - 2 ** -53, dtype=torch.float64)
     last = [int(torch.nonzero(probs[r] > 0).flatten()[-1]) for r in range(n)]
     assert inverse_cdf_rows(probs, top).tolist() == last
+
+
+@pytest.mark.parametrize("v", [1, 2, 7, 64, 65, 97, 1000, 4096])
+def test_residual_draw_equals_one_level_and_skips_drafted(v):
+    """TEV's bonus draw: the two-level search over row v minus the drafted tokens returns, on grid
+    rows (exact partial sums), the one-level float64 inverse-CDF index of the zeroed row for the
+    same uniform, through the host view and through torch alike; on any rows it never returns a
+    drafted or zero-probability token, and the top uniform lands on the last eligible token."""
+    g = torch.Generator().manual_seed(v)
+    n = 40
+    probs = torch.softmax(torch.randn(n, v, generator=g) * 3, -1)
+    probs[::3] = torch.where(torch.rand(len(range(0, n, 3)), v, generator=g) < 0.7, 0.0, probs[::3])
+    probs[:, 0] += 1e-3
+    probs /= probs.sum(-1, keepdim=True)
+    for rows in (probs, _dyadic(probs).float()):
+        for r in range(n):
+            k = int(torch.randint(0, v, (), generator=g))  # drafted children (some may carry no mass)
+            drafted = sorted(torch.randperm(v, generator=g)[:k].tolist())
+            if float(rows[r].sum()) - sum(float(rows[r, a]) for a in drafted) <= 0:
+                continue  # no residual mass: w(v) = 0, never an exit node
+            pairs = [(a, float(rows[r, a])) for a in drafted]
+            zeroed = rows[r].double().clone()
+            zeroed[drafted] = 0.0
+            for u in [float(x) for x in torch.rand(5, dtype=torch.float64, generator=g)] + [1 - 2 ** -53]:
+                got = [_residual_draw(rows, r, pairs, u, h) for h in (host_view(rows), None)]
+                assert got[0] == got[1] and got[0] not in drafted and float(rows[r, got[0]]) > 0
+                if rows is not probs:  # exact partial sums: index for index
+                    assert got[0] == _reference_index(zeroed, u)
+            top = _residual_draw(rows, r, pairs, 1 - 2 ** -53, None)
+            assert top == int(torch.nonzero(zeroed > 0).flatten()[-1]) or rows is probs
 
 
 def test_categorical_never_draws_zero_weight_and_matches_law():
@@ -270,6 +340,29 @@ def test_tensor_tree_inputs():
         a, b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
         assert (f(t.parents, t.tokens, probs, a, validate=False)
                 == f(torch.tensor(t.parents), torch.tensor(t.tokens), probs, b, validate=False))
+
+
+@pytest.mark.parametrize("name", list(VERIFIERS))
+def test_validating_path_rejects_bad_rows(name):
+    """validate=True (the default, the public API) rejects rows that are not distributions with a
+    clear error; validate=False (the decode loop / benchmark, rows from a softmax) skips the checks
+    for every verifier alike."""
+    t = DraftTree.from_paths([[1, 2], [3]], root_token=0)
+    good = torch.full((len(t), 5), 0.2)
+    bad = {"negative": (0, 1, -0.1, "negative"), "nan": (2, 3, float("nan"), "non-finite"),
+           "sum": (1, 4, 0.9, "node 1 sums to")}
+    f = VERIFIERS[name]
+    for row, col, val, msg in bad.values():
+        probs = good.clone()
+        probs[row, col] = val
+        with pytest.raises(ValueError, match=msg):
+            f(t.parents, t.tokens, probs, torch.Generator())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        f(t.parents, [0, 1, 2, 9], good, torch.Generator())
+    with pytest.raises(ValueError, match="parent"):
+        f([-1, 0, 5, 0], t.tokens, good, torch.Generator())
+    path, bonus = f(t.parents, t.tokens, good, torch.Generator().manual_seed(0), validate=False)
+    assert path[0] == 0 and 0 <= bonus < 5
 
 
 def test_variant_options_are_checked():
@@ -467,3 +560,47 @@ def test_benchmark_input_checks(tiny_model):
         verifier_latency(tiny_model, drafter, [[1, 2]], **{**ok, "budgets": (0,)})
     with pytest.raises(ValueError, match="context"):
         verifier_latency(tiny_model, drafter, [[1] * 120], **ok)
+
+
+def test_report_latency_verdicts():
+    """The report judges TEV against the benchmark's baseline on its paired statistic (median of the
+    per-tree ratios) and shows the ratio of the medians too; another predraw flavour (no paired
+    column) is judged on the ratio of the medians."""
+    import pandas as pd
+
+    from impl.tev.report import _latency_verdicts
+
+    rows = [{"budget": b, "verifier": v, "baseline": "predraw_follow", "median_us": m, "ratio_median": r}
+            for b, v, m, r in [(64, "predraw_follow", 100.0, 1.0), (64, "tev", 78.0, 0.74),
+                               (64, "predraw_ddtree_multinomial", 4000.0, 40.0),
+                               (128, "predraw_follow", 200.0, 1.0), (128, "tev", 140.0, 0.66)]]
+    lines = _latency_verdicts(pd.DataFrame(rows))
+    assert len(lines) == 3
+    assert "B = 64 vs predraw with" in lines[0] and "median per-tree ratio 0.74, ratio of medians 0.78" in lines[0]
+    assert lines[0].endswith("**PASS**") and "ratio of medians 0.02" in lines[1] and lines[1].endswith("**PASS**")
+    assert "B = 128" in lines[2] and "(target <= 0.6)" in lines[2] and lines[2].endswith("**FAIL**")
+
+
+@pytest.mark.parametrize("build_mode,commit_mode", [("inference", "plain"), ("inference", "inference"),
+                                                    ("no_grad", "inference"), ("no_grad", "no_grad")])
+def test_commit_in_any_grad_mode(tiny_model, build_mode, commit_mode):
+    """The in-place commit works whichever grad mode built the cache and whichever the caller is in,
+    and a further forward after it extends the cache as usual."""
+    from transformers import DynamicCache
+
+    modes = {"inference": torch.inference_mode, "no_grad": torch.no_grad, "plain": torch.enable_grad}
+    prefix = [3, 1, 4, 1, 5]
+    tree = DraftTree.from_paths([[10, 11, 12], [20, 21]], root_token=9)
+    with modes[build_mode]():
+        cache = DynamicCache(config=tiny_model.config)
+        tiny_model(input_ids=torch.tensor([prefix]), cache=cache, use_cache=True)
+        tiny_model(input_ids=tree.input_ids(), attention_mask=tree.attention_mask(len(prefix)),
+                   position_ids=tree.position_ids(len(prefix)), cache=cache, use_cache=True)
+    keep = torch.tensor(list(range(len(prefix))) + [len(prefix) + u for u in (0, 4, 5)])
+    want = [layer.keys.index_select(-2, keep).clone() for layer in cache.layers]
+    with modes[commit_mode]():
+        commit_cache(cache, len(prefix), len(tree), [0, 4, 5])
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(cache.layers, want))
+    with modes[build_mode](), torch.no_grad():
+        tiny_model(input_ids=torch.tensor([[7]]), cache=cache, use_cache=True)
+    assert cache.get_seq_length() == len(prefix) + 4

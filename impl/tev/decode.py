@@ -191,8 +191,10 @@ def commit_cache(cache, prefix_len: int, n_tree: int, path: Sequence[int]) -> No
     copy, no new tensor). A path that is contiguous from the root (``path == [0, 1, ..., k-1]``, e.g.
     a root-only exit) needs only the crop. The cached prefix is never copied.
 
-    The layer tensors are modified in place: another reference to them (e.g. a shallow copy of the
-    cache) sees the compaction; copy a cache with ``copy.deepcopy`` before committing on it.
+    The layer tensors are modified in place (under ``torch.inference_mode``, entered if the caller has
+    not, so a cache built under it can be committed from outside): another reference to them (e.g. a
+    shallow copy of the cache) sees the compaction; copy a cache with ``copy.deepcopy`` before
+    committing on it.
 
     Args:
         cache: transformers ``DynamicCache`` holding ``prefix_len + n_tree`` positions.
@@ -212,6 +214,9 @@ def commit_cache(cache, prefix_len: int, n_tree: int, path: Sequence[int]) -> No
         raise ValueError(f"path must be increasing node ids from the root 0 within {n_tree} nodes, got {path}")
     if cache.get_seq_length() != prefix_len + n_tree:
         raise ValueError(f"cache holds {cache.get_seq_length()} positions, expected {prefix_len + n_tree}")
+    if not torch.is_inference_mode_enabled():  # in-place edits of a cache built under inference mode need it
+        with torch.inference_mode():
+            return commit_cache(cache, prefix_len, n_tree, path)
     j = next((i for i, u in enumerate(path) if u != i), k)  # path[:j] == 0..j-1 is already in place
     layers = cache.layers
     dynamic = all(type(layer) is DynamicLayer for layer in layers)
@@ -229,15 +234,13 @@ def commit_cache(cache, prefix_len: int, n_tree: int, path: Sequence[int]) -> No
     if n_tree > k:
         if dynamic:  # crop each layer tensor in place to its first prefix_len + k positions
             keep = prefix_len + k
-            geometry = {}  # (shape, strides) -> cropped shape: layers usually share one
-            for layer in layers:
-                for t in (layer.keys, layer.values):
-                    stride = t.stride()
-                    key = (t.shape, stride)
-                    size = geometry.get(key)
-                    if size is None:
-                        size = geometry[key] = (*key[0][:-2], keep, key[0][-1])
-                    t.as_strided_(size, stride)
+            for layer in layers:  # DynamicLayer tensors are [batch, heads, seq, head_dim]
+                t = layer.keys
+                s = t.shape
+                t.as_strided_((s[0], s[1], keep, s[3]), t.stride())
+                t = layer.values
+                s = t.shape
+                t.as_strided_((s[0], s[1], keep, s[3]), t.stride())
         else:
             cache.crop(-(n_tree - k))
 

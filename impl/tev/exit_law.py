@@ -13,16 +13,16 @@ C_p(T) is the expected number of accepted *draft* tokens D of any saturated veri
 output-block length, which counts the bonus token (the project's tau), is 1 + C_p(T) (Eq. 9, 11).
 
 All arithmetic is float64. :func:`exit_law` (the reference) renormalises the rows of ``probs`` in
-float64 before use. :func:`impl.tev.verify.tev` uses :func:`edge_probs` and :func:`law_one_pass`,
+float64 before use. :func:`impl.tev.verify.tev` uses :func:`edge_probs` and :func:`law_from_edges`,
 which read only the N - 1 edge probabilities (plus, when validating, the row sums), form the same
-recurrences in one pass over the nodes, and agree with the reference to the precision of float32
-rows (~1e-7 relative), exact zeros included.
+recurrences level-parallel in a handful of whole-array numpy operations (a scatter-add and a
+pointer-doubling prefix product; no per-node loop), and agree with the reference to the precision of
+float32 rows (~1e-7 relative), exact zeros included.
 """
 
 from __future__ import annotations
 
-import operator
-
+import numpy as np
 import torch
 
 from .tree import IntSeq, depth_levels, validate_tree
@@ -103,83 +103,107 @@ def _law(par: list[int], tok: list[int], depths: list[int], p: torch.Tensor):
     return P, rho, P * rho
 
 
-#: rho values below this are recomputed exactly from the float64 row in :func:`law_one_pass`
+#: rho values below this are recomputed exactly from the float64 row in :func:`law_from_edges`
 RHO_RECHECK = 1e-4
 
 
-def host_view(probs: torch.Tensor) -> memoryview | None:
-    """A flat, zero-copy ``memoryview`` of a C-contiguous float32 / float64 CPU ``probs``
-    (``view[v * V + a] == float(probs[v, a])``), or None for any other tensor (another device,
-    dtype or layout), which :func:`edge_probs` then reads through torch."""
-    if probs.device.type != "cpu" or probs.dtype not in (torch.float32, torch.float64) or not probs.is_contiguous():
+def host_view(probs: torch.Tensor) -> np.ndarray | None:
+    """A zero-copy ``[N, V]`` numpy view of a float32 / float64 CPU ``probs`` (any strides), or None
+    for any other tensor (another device or dtype), which :func:`edge_probs` then reads through torch."""
+    if probs.device.type != "cpu" or probs.dtype not in (torch.float32, torch.float64):
         return None
-    a = (probs.detach() if probs.requires_grad else probs).numpy()
-    return memoryview(a).cast("B").cast("f" if probs.dtype == torch.float32 else "d")
+    return (probs.detach() if probs.requires_grad else probs).numpy()
 
 
-def edge_probs(parents: list[int], tokens: list[int], probs: torch.Tensor, host: memoryview | None = None) -> list[float]:
-    """q(u) = p_{pa(u)}(x_u) for u = 1..N-1, the edge probabilities of Algorithm 1 (line 7), as
-    Python floats (exact copies of the entries): N - 1 reads, nothing else of ``probs``.
+def edge_probs(parents: np.ndarray, tokens: np.ndarray, probs: torch.Tensor,
+               host: np.ndarray | None = None) -> np.ndarray:
+    """q(u) = p_{pa(u)}(x_u) for u = 1..N-1, the edge probabilities of Algorithm 1 (line 7): one
+    gather of N - 1 entries, nothing else of ``probs``.
 
     Args:
-        parents, tokens: the tree as ``list[int]`` (validated; ``tokens[u] < V``).
+        parents, tokens: the tree as int64 numpy arrays ``[N]`` (validated; ``tokens[u] < V``).
         probs: floating ``[N, V]``.
-        host: :func:`host_view` of ``probs`` (read directly), or None (one torch gather).
+        host: :func:`host_view` of ``probs`` (gathered in numpy), or None (one torch gather).
 
     Returns:
-        ``list[float]`` of length N - 1, entry u - 1 for node u.
+        float64 ``[N - 1]``, entry u - 1 for node u (exact copies of the entries).
     """
-    v_size = probs.shape[1]
     if host is not None:
-        return [host[p * v_size + t] for p, t in zip(parents[1:], tokens[1:])]
+        return host[parents[1:], tokens[1:]].astype(np.float64)
     if len(parents) == 1:
-        return []
-    idx = torch.tensor([p * v_size + t for p, t in zip(parents[1:], tokens[1:])], device=probs.device)
-    return probs.detach().reshape(-1).take(idx).tolist()
+        return np.zeros(0)
+    dev = probs.device
+    pa = torch.from_numpy(parents[1:]).to(dev)
+    tk = torch.from_numpy(tokens[1:]).to(dev)
+    return probs.detach()[pa, tk].to(torch.float64).cpu().numpy()
 
 
-def law_one_pass(
-    parents: list[int], tokens: list[int], q: list[float], probs: torch.Tensor, row_sums: list[float] | None = None,
-) -> tuple[list[float], list[float], list[float]]:
-    """(P, rho, w) of Algorithm 1, lines 3-7, from the edge probabilities ``q`` in one pass over the
-    nodes in id order: a parent precedes its children, so P(pa(v)) is final when P(v) is formed.
+def _prefix_and_cover(parents: np.ndarray, q: np.ndarray, row_sums: np.ndarray | None):
+    """P (Eq. 2) and cov(v) = sum_{u in Ch(v)} q(u), level-parallel: cov is one scatter-add over the
+    edges; P is a prefix product along every root path by pointer doubling (ceil(log2(depth + 1))
+    rounds of whole-array gathers: P <- P * P[anc], anc <- anc[anc], the root's P = 1 and anc = root),
+    so no step walks the nodes one by one."""
+    n = len(parents)
+    anc = parents.copy()
+    anc[0] = 0
+    P = np.empty(n)
+    P[0] = 1.0
+    P[1:] = q if row_sums is None else q / row_sums[anc[1:]]
+    cov = np.bincount(anc[1:], weights=P[1:], minlength=n)
+    while True:
+        P *= P[anc]  # numpy evaluates P[anc] first (a copy): every node reads the previous round
+        anc = anc[anc]
+        if not anc.any():  # every node's jump target is the root
+            return P, cov
 
-    The recurrences and float64 arithmetic of :func:`exit_law` (whose level-wise form is the
-    reference): P(v) = P(pa(v)) q(v) (Eq. 2), rho(v) = 1 - sum_{u in Ch(v)} q(u), w = P rho (Eq. 4).
-    Work is O(N) on Python floats; at draft-tree sizes (N <= a few hundred) that is cheaper than
-    the dispatch of the dozen tensor operations of a vectorised (level-parallel / pointer-doubling)
-    form, on a CPU with warm or cold caches alike. rho(v) below :data:`RHO_RECHECK` is recomputed
-    exactly from v's float64 row, so rho(v) is exactly 0 iff p_v has no mass outside its children.
+
+def _recheck(rho: np.ndarray, parents: np.ndarray, tokens: np.ndarray, probs: torch.Tensor) -> None:
+    """Recompute in place, from v's float64 row, every rho(v) < RHO_RECHECK (only nodes with
+    children get there, rarely): the mass outside v's drafted children over the row total."""
+    for v in np.flatnonzero(rho < RHO_RECHECK).tolist():
+        row = probs[v].detach().to(torch.float64, copy=True)
+        total = float(row.sum())
+        row[torch.from_numpy(tokens[parents == v]).to(row.device)] = 0.0
+        rho[v] = float(row.sum()) / total
+
+
+def law_from_edges(
+    parents: np.ndarray, tokens: np.ndarray, q: np.ndarray, probs: torch.Tensor, row_sums: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(P, rho, w) of Algorithm 1, lines 3-7, from the edge probabilities ``q``, level-parallel
+    (:func:`_prefix_and_cover`: one scatter-add and a pointer-doubling prefix product; O(N log H)
+    work in a handful of whole-array operations, no per-node loop).
+
+    The recurrences and float64 arithmetic of :func:`exit_law` (the reference):
+    P(v) = P(pa(v)) q(v) (Eq. 2), rho(v) = 1 - sum_{u in Ch(v)} q(u), w = P rho (Eq. 4). rho(v) below
+    :data:`RHO_RECHECK` is recomputed exactly from v's float64 row, so rho(v) is exactly 0 iff p_v
+    has no mass outside its children.
 
     Args:
-        parents, tokens: the tree as ``list[int]`` (validated: ``0 <= parents[v] < v``).
-        q: :func:`edge_probs` of the tree (entry u - 1 for node u).
+        parents, tokens: the tree as int64 numpy arrays ``[N]`` (validated: ``0 <= parents[v] < v``).
+        q: :func:`edge_probs` of the tree, float64 ``[N - 1]``.
         probs: floating ``[N, V]`` target rows (read only for the rare exact rho recomputation).
-        row_sums: optional per-node row sums; each q is then divided by its parent's (the rows are
-            renormalised, as :func:`check_target_probs` does); None takes the rows to sum to 1 (a
-            float32 softmax does, to ~1e-7, the precision of the rows themselves).
+        row_sums: optional float64 ``[N]`` row sums; each q is then divided by its parent's (the rows
+            are renormalised, as :func:`check_target_probs` does); None takes the rows to sum to 1
+            (a float32 softmax does, to ~1e-7, the precision of the rows themselves).
 
     Returns:
-        ``(P, rho, w)``, three ``list[float]`` of length N, equal to :func:`exit_law` to ~1e-7
-        relative for float32 rows, exact zeros included.
+        ``(P, rho, w)``, float64 ``[N]`` each, equal to :func:`exit_law` to ~1e-7 relative for
+        float32 rows, exact zeros included.
     """
-    n = len(parents)
-    pa = parents[1:]
-    if row_sums is not None:
-        q = [x / row_sums[p] for x, p in zip(q, pa)]
-    P = [1.0]
-    cov = [0.0] * n  # sum of the children's edge probabilities
-    for p, x in zip(pa, q):  # node v = len(P), whose parent p < v is final
-        P.append(P[p] * x)
-        cov[p] += x
-    rho = [1.0 - c for c in cov]
-    if max(cov) > 1.0 - RHO_RECHECK:  # rare: recompute from the rows (only nodes with children get here)
-        for v in [v for v in range(n) if rho[v] < RHO_RECHECK]:
-            row = probs[v].detach().to(torch.float64, copy=True)
-            total = float(row.sum())
-            row[torch.tensor([t for p, t in zip(parents, tokens) if p == v], device=row.device)] = 0.0
-            rho[v] = float(row.sum()) / total
-    return P, rho, list(map(operator.mul, P, rho))
+    P, cov = _prefix_and_cover(parents, q, row_sums)
+    rho = 1.0 - cov
+    if len(cov) and cov.max() > 1.0 - RHO_RECHECK:
+        _recheck(rho, parents, tokens, probs)
+    return P, rho, P * rho
+
+
+def exit_cdf(
+    parents: np.ndarray, tokens: np.ndarray, q: np.ndarray, probs: torch.Tensor, row_sums: np.ndarray | None = None,
+) -> np.ndarray:
+    """Cumulative sums (in node id order) of the canonical exit law w of :func:`law_from_edges`: the
+    inverse CDF of Algorithm 1, line 8. Args: as :func:`law_from_edges`. Returns float64 ``[N]``."""
+    return np.cumsum(law_from_edges(parents, tokens, q, probs, row_sums)[2])
 
 
 def exit_law(

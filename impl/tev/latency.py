@@ -11,9 +11,9 @@ target tree forward. :func:`verifier_latency` reproduces that protocol:
 2. on each tree it times every verifier (``validate=False``: the tree was validated when it was
    built and the rows are a softmax) plus :func:`impl.tev.decode.commit_cache` of its accepted path
    on a fresh copy of that cache, interleaved: ``warmup + repeats`` passes over the verifiers, each
-   pass in a fresh seeded random order, the warm-up passes discarded, the copies made before the first pass,
-   the garbage collector paused and everything under ``torch.inference_mode`` (as DDTree's
-   generation loop runs);
+   pass in a fresh seeded random order (so that no verifier always follows the same one), the
+   warm-up passes discarded, the copies made before the first pass, the garbage collector paused
+   and everything under ``torch.inference_mode`` (as DDTree's generation loop runs);
 3. the round then commits one exact path (TEV's, untimed) to the real cache and decoding continues.
 
 Per (budget, verifier) it reports the per-tree median latency (median and mean over trees, plus the
@@ -144,8 +144,8 @@ def verifier_latency(
         n_trees: realized trees per budget.
         repeats: timed calls of every verifier per tree (the per-tree latency is their median).
         warmup: untimed leading passes per tree.
-        seed: seeds the decoding generator (``seed``) and one generator per verifier
-            (``seed + 1 + i``), so runs are reproducible up to timing.
+        seed: seeds the decoding generator (``seed``), one generator per verifier (``seed + 1 + i``)
+            and the per-tree pass orders, so runs are reproducible up to timing.
         verifiers: names in :data:`impl.tev.verify.VERIFIERS`, or a mapping name -> callable with the
             verifier signature plus a ``validate`` keyword (e.g. a ``functools.partial`` selecting a
             sampler); default :data:`DEFAULT_VERIFIERS`.

@@ -23,20 +23,23 @@ softmax), as :func:`impl.tev.decode.tev_decode` does; ``sampler`` picks the cate
 ``"cdf"`` (default: an exact float64 inverse CDF, one uniform per draw; batched over rows by
 :func:`inverse_cdf_rows`) or ``"multinomial"`` (``torch.multinomial``, the exponential race that
 DDTree's ``sample`` calls, one exponential variate per entry). No verifier copies ``probs`` to
-float64: only the rows a verifier actually samples from (predraw: all, batched; sequential: the
-visited ones; TEV: the exit node's) and the gathered edge probabilities are converted. The verifiers
-run under ``torch.inference_mode`` (they return Python ints only).
+float64: predraw reads every row (its block sums, batched), sequential residual converts the rows
+it visits, TEV reads the N - 1 edge probabilities and the exit node's row (block sums plus one
+block; :func:`_residual_draw`). The verifiers run under ``torch.inference_mode`` (they return Python
+ints only).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from typing import Callable
 
+import numpy as np
 import torch
 
-from .exit_law import PROB_ATOL, check_target_probs, edge_probs, host_view, law_one_pass
+from .exit_law import PROB_ATOL, check_target_probs, edge_probs, exit_cdf, host_view, law_from_edges
 from .tree import IntSeq, path_to, validate_tree
 
 Verifier = Callable[..., tuple[list[int], int]]
@@ -47,6 +50,20 @@ SAMPLERS = ("cdf", "multinomial")
 #: predraw modes: ``"all"`` (DDTree: one token pre-drawn at every node, one batched draw) or
 #: ``"visited"`` (a token drawn only at the nodes the walk reaches; same law, fewer draws)
 PREDRAW_MODES = ("all", "visited")
+
+
+def _inference_mode(fn: Callable) -> Callable:
+    """Run ``fn`` under ``torch.inference_mode``, entering it only when the caller has not (the
+    decode loop and the latency benchmark already run under it; entering costs ~1 us a call).
+    Applied alike to every verifier."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _check_generator(generator) -> None:
@@ -200,7 +217,7 @@ def _categorical_rows(probs: torch.Tensor, generator: torch.Generator, sampler: 
 
 # --- verifiers -----------------------------------------------------------------------------------
 
-@torch.inference_mode()
+@_inference_mode
 def predraw_follow(
     parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL,
     *, validate: bool = True, sampler: str = "cdf", draws: str = "all",
@@ -256,7 +273,7 @@ def predraw_follow(
         path.append(u)
 
 
-@torch.inference_mode()
+@_inference_mode
 def sequential_residual(
     parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL,
     *, validate: bool = True, sampler: str = "cdf",
@@ -324,7 +341,7 @@ def sequential_residual(
 
 
 def _residual_draw(probs: torch.Tensor, v: int, drafted: list[tuple[int, float]], u: float,
-                   host: memoryview | None) -> int:
+                   host: np.ndarray | None) -> int:
     """Y ~ p_v^res for the uniform ``u``: exact inverse CDF of row v with the ``drafted`` tokens
     (pairs ``(token, p_v(token))``) removed, as a two-level search that reads the row once.
 
@@ -353,10 +370,9 @@ def _residual_draw(probs: torch.Tensor, v: int, drafted: list[tuple[int, float]]
     b = bisect.bisect_right(c, target)
     if b < len(c):
         lo, hi = b * blk, min(b * blk + blk, v_size)
-        within = host[v * v_size + lo:v * v_size + hi].tolist() if host is not None else row[lo:hi].tolist()
-        for a, _ in drafted:
-            if lo <= a < hi:
-                within[a - lo] = 0.0
+        within = host[v, lo:hi].tolist() if host is not None else row[lo:hi].tolist()
+        for i in [a - lo for a, _ in drafted if lo <= a < hi]:
+            within[i] = 0.0
         j = bisect.bisect_right(list(itertools.accumulate(within)), target - (c[b - 1] if b else 0.0))
         if j < len(within) and within[j] > 0:
             return lo + j
@@ -366,19 +382,20 @@ def _residual_draw(probs: torch.Tensor, v: int, drafted: list[tuple[int, float]]
     return _inverse_cdf_at(res, u)
 
 
-def _inverse_cdf_list(weights: list[float], u: float) -> int:
-    """As :func:`_inverse_cdf` for a list of non-negative floats and a Python float uniform."""
-    c = list(itertools.accumulate(weights))
-    total = c[-1]
-    i = bisect.bisect_right(c, u * total)
+def _search_cdf(c: np.ndarray, u: float) -> int:
+    """Inverse CDF on cumulative sums ``c`` (float64 ``[N]``, non-decreasing) for a Python float
+    uniform: the index i with c[i-1] <= u c[-1] < c[i] (so its weight is positive), as
+    :func:`_inverse_cdf`."""
+    total = float(c[-1])
+    i = int(np.searchsorted(c, u * total, side="right"))
     if i >= len(c):  # u * total rounded up to the total, or a zero / non-finite total
         if not 0 < total < float("inf"):
             raise ValueError(f"cannot sample from weights with total {total}")
-        i = max(k for k, x in enumerate(weights) if x > 0)
+        i = int(np.flatnonzero(np.diff(c, prepend=0.0) > 0)[-1])
     return i
 
 
-@torch.inference_mode()
+@_inference_mode
 def tev(
     parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL,
     *, validate: bool = True, sampler: str = "cdf",
@@ -386,11 +403,12 @@ def tev(
     """Tree Exit Verification (TEV Sec. 4; App. B, Algorithm 1; exactness in Corollary 2).
 
     Reads the N - 1 edge probabilities q(u) = p_{pa(u)}(x_u) (:func:`impl.tev.exit_law.edge_probs`),
-    forms the canonical exit law w = P rho from them (Algorithm 1, lines 3-7;
-    :func:`impl.tev.exit_law.law_one_pass`), draws the exit node V ~ Categorical(w) (line 8) and one
-    bonus token Y ~ p_V^res, i.e. p_V with V's drafted child tokens removed (p_V itself at a leaf;
-    line 9), reading row V once (:func:`_residual_draw`). The accepted path is the root path of V.
-    Nothing of size N x V is touched: N - 1 entries, one row, and N-sized float64 work.
+    forms the canonical exit law w = P rho from them, as its cumulative sums (Algorithm 1, lines
+    3-7, level-parallel: :func:`impl.tev.exit_law.exit_cdf`), draws the exit node
+    V ~ Categorical(w) (line 8) and one bonus token Y ~ p_V^res, i.e. p_V with V's drafted child
+    tokens removed (p_V itself at a leaf; line 9), reading row V once (:func:`_residual_draw`). The
+    accepted path is the root path of V. Nothing of size N x V is touched: N - 1 entries, one row,
+    and O(N log H) float64 work in whole-array operations; no float64 copy of ``probs``.
 
     Args:
         parents: N parent indices; tokens: N incoming tokens (see module docstring); lists or 1-D
@@ -419,18 +437,23 @@ def tev(
     else:
         par, tok = _lists(parents, tokens)
     host = host_view(probs)
-    q = edge_probs(par, tok, probs, host)
-    _, _, w = law_one_pass(par, tok, q, probs, row_sums)
+    pa, tk = np.asarray(par, dtype=np.int64), np.asarray(tok, dtype=np.int64)
+    if row_sums is not None:
+        row_sums = np.asarray(row_sums, dtype=np.float64)
+    q = edge_probs(pa, tk, probs, host)
     if sampler == "cdf":
+        cdf = exit_cdf(pa, tk, q, probs, row_sums)
         u_exit, u_bonus = torch.rand(2, dtype=torch.float64, generator=generator, device=probs.device).tolist()
-        v = _inverse_cdf_list(w, u_exit)
-        drafted = [(t, x) for p, t, x in zip(par[1:], tok[1:], q) if p == v]  # A(V) and p_V there
+        v = _search_cdf(cdf, u_exit)
+        kids = pa[1:] == v  # A(V) and p_V there
+        drafted = list(zip(tk[1:][kids].tolist(), q[kids].tolist()))
         return path_to(par, v), _residual_draw(probs, v, drafted, u_bonus, host)
-    v = int(torch.multinomial(torch.tensor(w, dtype=torch.float64, device=probs.device), 1, generator=generator))
+    _, _, w = law_from_edges(pa, tk, q, probs, row_sums)
+    v = int(torch.multinomial(torch.from_numpy(w).to(probs.device), 1, generator=generator))
     res = probs[v].detach().to(torch.float64, copy=True)
-    drafted_tokens = [t for p, t in zip(par, tok) if p == v]
-    if drafted_tokens:
-        res[torch.tensor(drafted_tokens, device=res.device)] = 0.0
+    drafted_tokens = tk[1:][pa[1:] == v]
+    if len(drafted_tokens):
+        res[torch.from_numpy(drafted_tokens).to(res.device)] = 0.0
     return path_to(par, v), _categorical(res, generator, sampler)
 
 

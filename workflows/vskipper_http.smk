@@ -19,17 +19,14 @@ if CFG.get("vskipper") and TINY_MODELS:
     VSKH_ARGS = (f"--n-prompts {_vskh['n_prompts']} --max-tokens {_vskh['max_tokens']} --limit {_vskh['limit']} "
                  f"--r {_vskh['r']} --d {_vskh['d']}")
 
-    def vskh_inputs(w):
-        d = {"model": str(model_dir(CFG, w.model)), "prompts": f"{RESULTS}/workloads/{w.model}/{VSKH_SUITE}.jsonl"}
-        if w.model == VSKH["model"]:
-            d["ckpt"] = VSKH_CKPT
-        return d
-
     rule vskipper_http:
         conda:
             "../env.yaml"
         input:
-            unpack(vskh_inputs),
+            # the model, the first vSkipper workload's token ids for it, and the FlexiDepth checkpoint of vskipper.model
+            unpack(lambda w: {"model": str(model_dir(CFG, w.model)),
+                              "prompts": f"{RESULTS}/workloads/{w.model}/{VSKH_SUITE}.jsonl",
+                              **({"ckpt": VSKH_CKPT} if w.model == VSKH["model"] else {})}),
         output:
             csv=f"{VSKH_DIR}/{{model}}.csv",
             summary=f"{VSKH_DIR}/{{model}}.json",

@@ -40,8 +40,12 @@ def test_read_prompts_token_ids_checked_when_required(tmp_path):
         read_prompts(p, require_input_ids=True)
 
 
-def test_ead_command_rejects_prompt_without_id(tmp_path, capsys):
+def test_ead_command_rejects_prompt_without_id(tmp_path, capsys, monkeypatch):
     from impl.cli import main
+
+    from conftest import DATA_DIR
+
+    monkeypatch.setenv("IMPL_DATA_DIR", str(DATA_DIR))  # the config's ../shared/data may not exist here
 
     p = _write(tmp_path / "p.jsonl", [{"input_ids": [1, 2, 3]}])
     with pytest.raises(SystemExit) as e:

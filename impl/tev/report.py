@@ -173,8 +173,12 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
         lines.append(f"- every arm equals AR token for token at T = 0: **{'PASS' if ok else 'FAIL'}** ({len(g)} arm-cells)")
     if len(cal):
         ok = bool(cal["calibrated"].all())
-        lines.append(f"- exit-law calibration at T > 0 (observed tau vs 1 + C_p per prompt, paired): "
-                     f"**{'PASS' if ok else 'FAIL'}** ({len(cal)} arm-temperature pairs)")
+        bad = cal.loc[~cal["calibrated"].astype(bool), "arm"].tolist()
+        lines.append(f"- exit-law calibration at T > 0 (observed tau vs 1 + C_p per prompt, paired; a pair passes "
+                     f"when the 95% interval of the difference contains 0 or |difference| < 0.05 tokens): "
+                     f"**{'PASS' if ok else 'FAIL'}** ({len(cal) - len(bad)}/{len(cal)} arm-temperature pairs pass"
+                     f"{'; failing: ' + ', '.join(bad) if bad else ''}; each pair is a 95% test, so with many pairs "
+                     f"one can fail by chance)")
     if len(lat) and {"verifier", "budget", "median_us"} <= set(lat.columns):
         lines += _latency_verdicts(lat)
     lines += ["", "tau = tokens committed per target verification round, bonus included, micro average over "

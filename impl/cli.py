@@ -136,7 +136,7 @@ def cmd_train_adapters(args) -> None:
     summary.update(model_dir=str(args.model_dir), data="sharegpt", train_tokens_available=int(len(train)),
                    **provenance(cfg, seed=cfg["seed"]))
     with atomic_path(args.out) as tmp:
-        save_adapters(adapters, tmp, {"model_dir": str(args.model_dir), "summary": summary})
+        save_adapters(adapters, tmp, {"model_dir": str(args.model_dir), "summary": summary}, model=model)
     write_json(args.summary, summary)
     log.info("adapters at depths %s: KL %.3f in %.0f s", depths, summary["final_kl"], summary["train_seconds"])
 

@@ -85,3 +85,18 @@ def test_dex_with_adapters_is_lossless(tiny_model, temperature):
     res = DEXDecoder(ReferenceExecutor(tiny_model, (3, 6, 9, 12), rule=rule, adapters=ad)).decode(prompt, 20)
     assert res.tokens == ref == plain.tokens
     assert [m.anchor_cands for m in res.metrics] != [m.anchor_cands for m in plain.metrics]
+
+
+def test_adapters_refused_for_another_model(tiny_model, tmp_path):
+    """The set records its backbone's fingerprint; a model with other weights (same architecture)
+    is refused, the backbone itself accepted."""
+    import copy
+
+    ad = new_adapters(tiny_model, [3, 6], seed=1)
+    save_adapters(ad, tmp_path / "ad", {"model_dir": "models/x"}, model=tiny_model)
+    assert sorted(load_adapters(tmp_path / "ad", tiny_model)) == [3, 6]
+    other = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        other.get_output_embeddings().weight.add_(0.01)
+    with pytest.raises(ValueError, match="trained on another model"):
+        load_adapters(tmp_path / "ad", other)

@@ -93,8 +93,27 @@ def new_adapters(model, depths, *, inner: int | None = None, alpha_init: float =
     return {d: a.to(device=device, dtype=dtype) for d, a in out.items()}
 
 
-def save_adapters(adapters: dict[int, InducingAdapter], out_dir: str | Path, meta: dict | None = None) -> None:
-    """Write ``adapters.safetensors`` and ``adapters.json`` into ``out_dir`` (created)."""
+def model_fingerprint(model) -> str:
+    """A short content hash of ``model``'s output-embedding (LM head) weights: sha256 over its shape and
+    up to 65536 evenly strided entries in float32, so two models of the same architecture (e.g.
+    ``tiny-ls`` and ``tiny-std``) get different fingerprints. Cheap for any model size (a strided
+    sample, not the whole matrix). Returns 16 hex digits."""
+    import hashlib
+
+    w = model.get_output_embeddings().weight.detach()
+    flat = w.reshape(-1)
+    step = max(1, flat.numel() // 65536)
+    sample = flat[::step][:65536].to(device="cpu", dtype=torch.float32).contiguous()
+    h = hashlib.sha256(repr(tuple(w.shape)).encode())
+    h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_adapters(adapters: dict[int, InducingAdapter], out_dir: str | Path, meta: dict | None = None,
+                  model=None) -> None:
+    """Write ``adapters.safetensors`` and ``adapters.json`` into ``out_dir`` (created); with ``model``
+    (the backbone they were trained on) its :func:`model_fingerprint` is recorded, and
+    :func:`load_adapters` refuses the set for any other model."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -105,6 +124,8 @@ def save_adapters(adapters: dict[int, InducingAdapter], out_dir: str | Path, met
     info = {"depths": sorted(adapters), "hidden": any_a.hidden, "inner": any_a.inner,
             "activation": any_a.activation, "eps": any_a.eps,
             "parameters_per_adapter": adapter_param_count(any_a.hidden, any_a.inner), **(meta or {})}
+    if model is not None:
+        info["model_fingerprint"] = model_fingerprint(model)
     (out / META).write_text(json.dumps(info, indent=1))
 
 
@@ -118,7 +139,8 @@ def load_adapters(path: str | Path, model=None) -> dict[int, InducingAdapter]:
 
     Raises:
         FileNotFoundError: missing directory or files (the message names the rule that builds them).
-        ValueError: adapters that do not fit ``model`` (hidden size, or a depth outside [1, L-1]).
+        ValueError: adapters that do not fit ``model`` (hidden size, or a depth outside [1, L-1]), or
+            that were trained on another model (recorded :func:`model_fingerprint` differs).
     """
     from safetensors.torch import load_file
 
@@ -137,6 +159,10 @@ def load_adapters(path: str | Path, model=None) -> dict[int, InducingAdapter]:
         from .depth import num_layers
 
         L = num_layers(model)
+        fp = info.get("model_fingerprint")
+        if fp is not None and fp != model_fingerprint(model):
+            raise ValueError(f"adapters at {p} were trained on another model ({info.get('model_dir', 'unrecorded')}, "
+                             f"fingerprint {fp}); this model's is {model_fingerprint(model)}")
         if info["hidden"] != model.config.hidden_size:
             raise ValueError(f"adapters at {p} have hidden size {info['hidden']}, the model {model.config.hidden_size}")
         bad = [d for d in out if not 1 <= d < L]
@@ -164,5 +190,5 @@ def select_adapters(adapters: dict[int, InducingAdapter] | None, exploration_set
     return {d: adapters[d] for d in X[:-1]}
 
 
-__all__ = ["InducingAdapter", "adapter_param_count", "new_adapters", "save_adapters", "load_adapters",
+__all__ = ["InducingAdapter", "adapter_param_count", "new_adapters", "save_adapters", "load_adapters", "model_fingerprint",
            "select_adapters"]

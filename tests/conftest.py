@@ -54,3 +54,24 @@ def data_dir():
     if not DATA_DIR.is_dir():
         pytest.skip(f"data folder {DATA_DIR} not present")
     return DATA_DIR
+
+
+def save_wide_llama(out_dir, tokenizer, max_position_embeddings: int = 128, vocab_size: int | None = None):
+    """Save a seeded random 4-layer Llama (hidden 32, 4 heads / 2 KV heads) over ``tokenizer``'s
+    vocabulary (or ``vocab_size``), initialised wide (std 0.2, MLP outputs x4) so that skipped layers
+    change the greedy ids, with the tokenizer beside it; returns the model (eval mode)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    eos = tokenizer.eos_token_id
+    cfg = LlamaConfig(vocab_size=vocab_size or len(tokenizer), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_position_embeddings, eos_token_id=eos, bos_token_id=eos,
+                      initializer_range=0.2)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(4.0)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return model

@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from impl.config import ConfigError, validate_config
+from conftest import save_wide_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,7 +225,6 @@ def tiny_quality(tmp_path_factory, tiny_tokenizer):
     """A seeded random 4-layer Llama over the tiny tokenizer (context 512), an untrained FlexiDepth
     checkpoint on layers 2-3 (routers spread so that some rows skip), and a config whose
     ``vskipper.quality`` runs every suite with limit 2 (BBH: one subtask) and budgets of 8 tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from conftest import DATA_DIR
     from impl.vskipper.flexidepth import FlexiDepthSkipper
@@ -232,18 +232,8 @@ def tiny_quality(tmp_path_factory, tiny_tokenizer):
     if not DATA_DIR.is_dir():
         pytest.skip(f"data folder {DATA_DIR} not present")
     root = tmp_path_factory.mktemp("vskq")
-    torch.manual_seed(0)
-    eos = tiny_tokenizer.eos_token_id
-    cfg = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos,
-                      bos_token_id=eos, initializer_range=0.2)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.down_proj.weight.mul_(4.0)
     mdir = root / "model"
-    model.save_pretrained(mdir)
-    tiny_tokenizer.save_pretrained(mdir)
+    model = save_wide_llama(mdir, tiny_tokenizer, 512)
     sk = FlexiDepthSkipper.for_model(model, [2, 3], init_logit=0.0, init_spread=3.0, seed=1)
     ckpt = sk.save(root / "model-flexidepth", extra={"num_hidden_layers": 4})
     c = _cfg({"tasks": ["gsm8k", "bbh", "coqa"], "limit": 2, "bbh_subtasks": ["boolean_expressions"],

@@ -30,6 +30,7 @@ from impl.quality.served import (  # noqa: E402
     served_summary,
 )
 from impl.serving.arrivals import poisson_arrivals  # noqa: E402
+from conftest import save_wide_llama
 
 
 def _req_row(task="vsk_gsm8k", doc=0, ids=(5, 6, 7), **kw):
@@ -184,24 +185,13 @@ def _one_thread():
 def quality_run(tmp_path_factory, tiny_tokenizer, data_dir):
     """A tiny random 4-layer Llama (context 512) and a quality run over HTTP with RandomSkip on GSM8K
     (3 documents) and CoQA (2): the requests the served pass replays, and arm D's records."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from impl.quality.run import run_quality
     from impl.quality.tasks import TaskOptions
     from impl.vskipper import RandomSkip, routed_cb_config
 
     root = tmp_path_factory.mktemp("served")
-    torch.manual_seed(0)
-    eos = tiny_tokenizer.eos_token_id
-    cfg = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos,
-                      bos_token_id=eos, initializer_range=0.2)
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in m.model.layers:
-            layer.mlp.down_proj.weight.mul_(4.0)
-    m.save_pretrained(root / "model")
-    tiny_tokenizer.save_pretrained(root / "model")
+    m = save_wide_llama(root / "model", tiny_tokenizer, 512)
     opts = TaskOptions(gsm8k_max_gen_toks=10, coqa_max_gen_toks=10, datasets_cache_dir=str(root / "hf"))
     skipper = RandomSkip([1, 2], r=0.5, d=1.0, seed=3)
     cb = routed_cb_config(page_size=16, num_blocks=96, max_batch_tokens=256, max_requests_per_batch=4)

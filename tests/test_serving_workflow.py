@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from impl.config import ConfigError, validate_config
+from conftest import save_wide_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,23 +133,12 @@ def tiny_dirs(tmp_path_factory, tiny_tokenizer):
     """A seeded random 4-layer Llama with the tiny tokenizer, an untrained FlexiDepth checkpoint on
     layers 2-3 (router biased so that rows skip), a prompt file, and a config with a small vskipper
     section."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from impl.vskipper.flexidepth import FlexiDepthSkipper
 
     root = tmp_path_factory.mktemp("vsk")
-    torch.manual_seed(0)
-    eos = tiny_tokenizer.eos_token_id
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=eos,
-                      bos_token_id=eos, initializer_range=0.2)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.down_proj.weight.mul_(4.0)
     mdir = root / "model"
-    model.save_pretrained(mdir)
-    tiny_tokenizer.save_pretrained(mdir)
+    model = save_wide_llama(mdir, tiny_tokenizer, 256, vocab_size=VOCAB)
     sk = FlexiDepthSkipper.for_model(model, [2, 3], init_logit=0.0, init_spread=3.0, seed=1)
     ckpt = sk.save(root / "model-flexidepth", extra={"num_hidden_layers": 4})
     g = torch.Generator().manual_seed(3)

@@ -11,10 +11,10 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from impl.vskipper import http_check as hc
 from impl.vskipper.http_check import ARMS, CHECKS, COLUMNS, check_arms, in_process_reference, write_outputs
+from conftest import save_wide_llama
 
 SPEC = "randomskip:r=0.6,d=0.5,seed=3"
 ENGINE = dict(page_size=16, num_blocks=64, max_batch_tokens=24, max_requests_per_batch=8)  # chunked prefill
@@ -34,17 +34,7 @@ def model_dir(tmp_path_factory, tiny_tokenizer):
     """A seeded random 4-layer Llama over the tiny tokenizer's vocabulary, saved with the tokenizer
     (as tests/test_vskipper_server.py: wide init so routes change the greedy ids)."""
     d = tmp_path_factory.mktemp("http_model")
-    torch.manual_seed(0)
-    eos = tiny_tokenizer.eos_token_id
-    cfg = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=eos,
-                      bos_token_id=eos, initializer_range=0.2)
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in m.model.layers:
-            layer.mlp.down_proj.weight.mul_(4.0)
-    m.save_pretrained(d)
-    tiny_tokenizer.save_pretrained(d)
+    m = save_wide_llama(d, tiny_tokenizer, 128)
     return d
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from impl.models.load import load_model, load_tokenizer
 from impl.vskipper import ModeSwitch, RandomSkip, bind_skipper, generate_greedy, routed_cb_config
 from impl.vskipper.server import ARMS, parse_layers, parse_skipper_spec, serve
+from conftest import save_wide_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = "randomskip:r=0.6,d=0.5,seed=3"
@@ -46,17 +46,7 @@ def _one_thread():
 def model_dir(tmp_path_factory, tiny_tokenizer):
     """A seeded random 4-layer Llama over the tiny tokenizer's vocabulary, saved with the tokenizer."""
     d = tmp_path_factory.mktemp("srv_model")
-    torch.manual_seed(0)
-    eos = tiny_tokenizer.eos_token_id
-    cfg = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=eos,
-                      bos_token_id=eos, initializer_range=0.2)
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in m.model.layers:
-            layer.mlp.down_proj.weight.mul_(4.0)
-    m.save_pretrained(d)
-    tiny_tokenizer.save_pretrained(d)
+    m = save_wide_llama(d, tiny_tokenizer, 128)
     return d
 
 

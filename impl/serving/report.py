@@ -445,6 +445,13 @@ def _pp(mean, low, high, n) -> str:
     return f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]"
 
 
+def _pp_of(r: dict, key: str, n: int) -> str:
+    """:func:`_pp` of row ``r``'s ``{key}_mean`` / ``_ci_low`` / ``_ci_high``, with ``" *"`` appended when
+    ``{key}_resolved`` is true (the interval excludes 0)."""
+    txt = _pp(r.get(f"{key}_mean"), r.get(f"{key}_ci_low"), r.get(f"{key}_ci_high"), n)
+    return txt + " *" if str(r.get(f"{key}_resolved")).lower() == "true" else txt
+
+
 def quality_table5(rows: list[dict]) -> pd.DataFrame:
     """Table 5 (left) shape from quality-cell rows: one row per ``kind: "summary"`` row (suite, metric,
     BBH subtask; ``task`` = ``all`` for the suite level, primary metric first) and one ``FAIL`` row per
@@ -455,14 +462,11 @@ def quality_table5(rows: list[dict]) -> pd.DataFrame:
         kind = r.get("kind")
         if kind == "summary":
             n = int(r["n"])
-            did = _pp(r.get("did_mean"), r.get("did_ci_low"), r.get("did_ci_high"), n)
-            if str(r.get("did_resolved")).lower() == "true":
-                did += " *"
+            did = _pp_of(r, "did", n)
             recs.append({
                 "suite": r["suite"], "task": r.get("task") or "all", "metric": r["metric"],
                 "primary": bool(r.get("primary")), "n": n, **{f"mean_{a}": r.get(f"mean_{a}") for a in "ABCD"},
-                "B_minus_A": _pp(r.get("B_minus_A_mean"), r.get("B_minus_A_ci_low"), r.get("B_minus_A_ci_high"), n),
-                "D_minus_C": _pp(r.get("D_minus_C_mean"), r.get("D_minus_C_ci_low"), r.get("D_minus_C_ci_high"), n),
+                "B_minus_A": _pp_of(r, "B_minus_A", n), "D_minus_C": _pp_of(r, "D_minus_C", n),
                 "did_mean": r.get("did_mean"), "did_ci_low": r.get("did_ci_low"), "did_ci_high": r.get("did_ci_high"),
                 "did_resolved": bool(r.get("did_resolved")), "did": did,
                 **{f"tokens_equal_{p}": r.get(f"tokens_equal_{p}") for p in ("AB", "AC", "BD", "all")},
@@ -505,9 +509,7 @@ def quality_served_table(rows: list[dict]) -> pd.DataFrame:
         kind = r.get("kind")
         if kind == "served_summary":
             n = int(r["n"])
-            diff = _pp(r.get("diff_mean"), r.get("diff_ci_low"), r.get("diff_ci_high"), n)
-            if str(r.get("diff_resolved")).lower() == "true":
-                diff += " *"
+            diff = _pp_of(r, "diff", n)
             recs.append({
                 "suite": r["suite"], "task": r.get("task") or "all", "metric": r["metric"],
                 "primary": bool(r.get("primary")), "n": n, "point": r.get("point"), "factor": r.get("factor"),

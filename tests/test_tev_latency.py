@@ -25,6 +25,7 @@ from scipy import stats
 from impl.tev.decode import FixedDrafter, commit_cache
 from impl.tev.exit_law import edge_probs, exit_cdf, exit_law, host_view, law_from_edges, residual_distribution
 from impl.tev.latency import DEFAULT_VERIFIERS, TargetChainDrafter, bigram_drafter, verifier_latency
+from impl.tev.plan import tree_plan
 from impl.tev.tree import DraftTree, path_to
 from impl.tev.verify import (
     VERIFIERS,
@@ -101,15 +102,11 @@ CASES = [(seed, n, v, d, kind, chain) for seed, (n, v, d, kind, chain) in enumer
 ])]
 
 
-def _arrays(t):
-    return np.asarray(t.parents, dtype=np.int64), np.asarray(t.tokens, dtype=np.int64)
-
-
 def _fast_law(t, probs, row_sums=None, host=True):
-    pa, tk = _arrays(t)
-    q = edge_probs(pa, tk, probs, host_view(probs) if host else None)
+    plan = tree_plan(t.parents, t.tokens)
     rs = None if row_sums is None else np.asarray(row_sums, dtype=np.float64)
-    return (x.tolist() for x in law_from_edges(pa, tk, q, probs, rs))
+    e = edge_probs(plan, probs, host_view(probs) if host else None, rs)
+    return (x.tolist() for x in law_from_edges(plan, e, probs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -135,11 +132,11 @@ def test_exit_cdf_is_the_cumulative_law(seed, n, v, d, kind, chain):
     g = torch.Generator().manual_seed(seed)
     t = _random_tree(g, n, v, d, chain)
     probs = _rows(g, t, v, kind)
-    pa, tk = _arrays(t)
-    q = edge_probs(pa, tk, probs, host_view(probs))
+    plan = tree_plan(t.parents, t.tokens)
     for row_sums in (None, probs.sum(-1).double().numpy()):
-        _, _, w = law_from_edges(pa, tk, q, probs, row_sums)
-        c = exit_cdf(pa, tk, q, probs, row_sums)
+        e = edge_probs(plan, probs, host_view(probs), row_sums)
+        _, _, w = law_from_edges(plan, e, probs)
+        c = exit_cdf(plan, e, probs)
         np.testing.assert_allclose(c, list(itertools.accumulate(w.tolist())), rtol=1e-13, atol=0)
 
 
@@ -165,24 +162,56 @@ def test_edge_probs_read_only_the_edges_of_any_layout():
     g = torch.Generator().manual_seed(5)
     t = _random_tree(g, 30, 40, 5)
     probs = _rows(g, t, 40, "soft", torch.float32)
-    want = [float(probs[p, x]) for p, x in zip(t.parents[1:], t.tokens[1:])]
-    pa, tk = _arrays(t)
+    want = [1.0] + [float(probs[p, x]) for p, x in zip(t.parents[1:], t.tokens[1:])]
+    plan = tree_plan(t.parents, t.tokens)
     assert host_view(probs) is not None
-    assert edge_probs(pa, tk, probs, host_view(probs)).tolist() == want == edge_probs(pa, tk, probs).tolist()
+    assert edge_probs(plan, probs, host_view(probs)).tolist() == want == edge_probs(plan, probs).tolist()
     wide = torch.zeros(len(t), 80)
     wide[:, ::2] = probs
-    assert edge_probs(pa, tk, wide[:, ::2], host_view(wide[:, ::2])).tolist() == want  # strided view
-    assert edge_probs(pa, tk, wide[:, ::2]).tolist() == want
+    assert edge_probs(plan, wide[:, ::2], host_view(wide[:, ::2])).tolist() == want  # strided view
+    assert edge_probs(plan, wide[:, ::2]).tolist() == want
     bf = probs.to(torch.bfloat16)
     assert host_view(bf) is None
-    assert edge_probs(pa, tk, bf).tolist() == [float(bf[p, x]) for p, x in zip(t.parents[1:], t.tokens[1:])]
-    root = np.array([-1]), np.array([3])
-    assert edge_probs(*root, probs[:1]).tolist() == edge_probs(*root, probs[:1], host_view(probs[:1])).tolist() == []
+    assert edge_probs(plan, bf).tolist() == [1.0] + [float(bf[p, x]) for p, x in zip(t.parents[1:], t.tokens[1:])]
+    root = tree_plan([-1], [3])
+    assert edge_probs(root, probs[:1]).tolist() == edge_probs(root, probs[:1], host_view(probs[:1])).tolist() == [1.0]
 
 
 def test_root_only_law():
-    P, rho, w = law_from_edges(np.array([-1]), np.array([3]), np.zeros(0), torch.tensor([[0.5, 0.5]]))
+    plan = tree_plan([-1], [3])
+    probs = torch.tensor([[0.5, 0.5]])
+    P, rho, w = law_from_edges(plan, edge_probs(plan, probs), probs)
     assert P.tolist() == rho.tolist() == w.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("seed,n,v,d,kind,chain", CASES)
+def test_tree_plan_tables(seed, n, v, d, kind, chain):
+    """The plan's ancestor table lists every node's root path (self first, root excluded, 0-padded),
+    its child lists and child map match the tree, and DraftTree.plan() is cached until the tree grows."""
+    g = torch.Generator().manual_seed(seed)
+    t = _random_tree(g, n, v, d, chain)
+    plan = t.plan()
+    assert plan is t.plan() and plan.ancestors.shape == (t.max_depth, len(t))
+    for u in range(len(t)):
+        want = path_to(t.parents, u)[1:][::-1]
+        assert plan.ancestors[:, u].tolist() == want + [0] * (t.max_depth - len(want))
+        assert plan.children[u] == t.children[u] and plan.child_tokens[u].tolist() == [t.tokens[c] for c in t.children[u]]
+    assert plan.child_map == {(t.parents[u], t.tokens[u]): u for u in range(1, len(t))}
+    t.add_child(0, v + 7)
+    assert t.plan() is not plan and len(t.plan()) == len(t)
+
+
+def test_verifiers_refuse_a_plan_of_another_tree():
+    g = torch.Generator().manual_seed(2)
+    t = _random_tree(g, 12, 10, 4)
+    other = _random_tree(g, 12, 10, 4)
+    probs = _rows(g, t, 10, "soft")
+    for f in (predraw_follow, sequential_residual, tev):
+        with pytest.raises(ValueError, match="plan"):
+            f(t.parents, t.tokens, probs, torch.Generator().manual_seed(0), plan=tree_plan([-1, 0], [1, 2]))
+        if other.parents != t.parents or other.tokens != t.tokens:
+            with pytest.raises(ValueError, match="plan does not describe"):
+                f(t.parents, t.tokens, probs, torch.Generator().manual_seed(0), plan=other.plan())
 
 
 # --- sampling primitives --------------------------------------------------------------------------
@@ -231,7 +260,7 @@ def test_residual_draw_equals_one_level_and_skips_drafted(v):
             drafted = sorted(torch.randperm(v, generator=g)[:k].tolist())
             if float(rows[r].sum()) - sum(float(rows[r, a]) for a in drafted) <= 0:
                 continue  # no residual mass: w(v) = 0, never an exit node
-            pairs = [(a, float(rows[r, a])) for a in drafted]
+            pairs = np.asarray(drafted, dtype=np.int64)
             zeroed = rows[r].double().clone()
             zeroed[drafted] = 0.0
             for u in [float(x) for x in torch.rand(5, dtype=torch.float64, generator=g)] + [1 - 2 ** -53]:
@@ -560,6 +589,36 @@ def test_benchmark_input_checks(tiny_model):
         verifier_latency(tiny_model, drafter, [[1, 2]], **{**ok, "budgets": (0,)})
     with pytest.raises(ValueError, match="context"):
         verifier_latency(tiny_model, drafter, [[1] * 120], **ok)
+    with pytest.raises(ValueError, match="isolated"):
+        verifier_latency(tiny_model, drafter, [[1, 2]], isolated=["predraw_follow"], **ok)
+    with pytest.raises(ValueError, match="isolated"):
+        verifier_latency(tiny_model, drafter, [[1, 2]], isolated=["nope"], **ok)
+
+
+def test_benchmark_isolated_arm_gets_its_own_passes(tiny_model, monkeypatch):
+    """An isolated reference arm is timed on the same trees with the same number of calls, but never
+    inside an interleaved pass: every call of it comes after all calls of the other arms on a tree."""
+    import impl.tev.latency as lat
+
+    calls: list[str] = []
+
+    def tracer(name, f):
+        def g(*a, **k):
+            calls.append(name)
+            return f(*a, **k)
+        return g
+
+    arms = {"predraw_follow": tracer("p", predraw_follow), "heavy": tracer("h", tev), "tev": tracer("t", tev)}
+    rows = lat.verifier_latency(tiny_model, FixedDrafter(_peaked, block_size=8), [[3, 1, 4, 1, 5]], budgets=(6,),
+                                depth=3, n_trees=2, repeats=2, warmup=1, verifiers=arms, isolated=["heavy"])
+    by = {r["verifier"]: r for r in rows}
+    assert by["heavy"]["timing"] == "isolated" and by["tev"]["timing"] == "interleaved"
+    assert by["heavy"]["n_calls"] == by["tev"]["n_calls"] == 4
+    timed = "".join(calls)
+    # per tree: 3 interleaved passes of p and t, then 3 passes of h (plus the untimed decoding tev calls)
+    for block in timed.split("h" * 3)[:-1]:
+        assert "h" not in block
+    assert timed.count("h") == 6 and timed.count("p") == 6
 
 
 def test_report_latency_verdicts():

@@ -359,6 +359,7 @@ def tev_decode(
             tree = chain_tree(marg, n_draft, root_token=seq[-1])
         else:
             tree = best_first_tree(marg, budget, d_eff, root_token=seq[-1])
+        plan = tree.plan()  # the verifiers' index tables, fixed with the tree (DDTree's child maps)
         times["build"] = time.perf_counter() - t0
         # 3. one target forward over the tree
         _sync(device)
@@ -375,7 +376,7 @@ def tev_decode(
         # 4. verify
         t0 = time.perf_counter()
         # the tree was validated when built (DraftTree) and the rows are a softmax / one-hot: no re-checks
-        path, bonus = verify(tree.parents, tree.tokens, probs, generator, validate=False)
+        path, bonus = verify(tree.parents, tree.tokens, probs, generator, validate=False, plan=plan)
         times["verify"] = time.perf_counter() - t0
         # 5. commit
         _sync(device)

@@ -16,8 +16,9 @@ All arithmetic is float64. :func:`exit_law` (the reference) renormalises the row
 float64 before use. :func:`impl.tev.verify.tev` uses :func:`edge_probs` and :func:`law_from_edges`,
 which read only the N - 1 edge probabilities (plus, when validating, the row sums), form the same
 recurrences level-parallel in a handful of whole-array numpy operations (a scatter-add and a
-pointer-doubling prefix product; no per-node loop), and agree with the reference to the precision of
-float32 rows (~1e-7 relative), exact zeros included.
+product over the tree's ancestor table; no per-node loop), and agree with the reference to the precision of
+float32 rows (~1e-7 relative), exact zeros included. The tree's index tables (edge gather indices,
+ancestor table) come from its :class:`impl.tev.plan.TreePlan`, built once when the tree is fixed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .plan import TreePlan
 from .tree import IntSeq, depth_levels, validate_tree
 
 #: default tolerance on |sum_a probs[v, a] - 1|
@@ -115,95 +117,81 @@ def host_view(probs: torch.Tensor) -> np.ndarray | None:
     return (probs.detach() if probs.requires_grad else probs).numpy()
 
 
-def edge_probs(parents: np.ndarray, tokens: np.ndarray, probs: torch.Tensor,
-               host: np.ndarray | None = None) -> np.ndarray:
-    """q(u) = p_{pa(u)}(x_u) for u = 1..N-1, the edge probabilities of Algorithm 1 (line 7): one
-    gather of N - 1 entries, nothing else of ``probs``.
+def edge_probs(plan: TreePlan, probs: torch.Tensor, host: np.ndarray | None = None,
+               row_sums: np.ndarray | None = None) -> np.ndarray:
+    """e(u) = q(u) = p_{pa(u)}(x_u) for every non-root u, with e(root) = 1: the edge probabilities of
+    Algorithm 1 (line 7), one gather of N - 1 entries and nothing else of ``probs``.
 
     Args:
-        parents, tokens: the tree as int64 numpy arrays ``[N]`` (validated; ``tokens[u] < V``).
+        plan: the tree's :class:`impl.tev.plan.TreePlan` (validated; every token ``< V``).
         probs: floating ``[N, V]``.
         host: :func:`host_view` of ``probs`` (gathered in numpy), or None (one torch gather).
+        row_sums: optional float64 ``[N]`` row sums; each q(u) is then divided by its parent row's sum
+            (the rows renormalised, as :func:`check_target_probs` does).
 
     Returns:
-        float64 ``[N - 1]``, entry u - 1 for node u (exact copies of the entries).
+        float64 ``[N]``: ``e[0] = 1``, ``e[u]`` the (exact, or renormalised) entry of edge pa(u) -> u.
     """
-    if host is not None:
-        return host[parents[1:], tokens[1:]].astype(np.float64)
-    if len(parents) == 1:
-        return np.zeros(0)
-    dev = probs.device
-    pa = torch.from_numpy(parents[1:]).to(dev)
-    tk = torch.from_numpy(tokens[1:]).to(dev)
-    return probs.detach()[pa, tk].to(torch.float64).cpu().numpy()
+    e = np.empty(len(plan))
+    e[0] = 1.0
+    if len(plan) > 1:
+        if host is not None:
+            e[1:] = host[plan.edge_parents, plan.edge_tokens]
+        else:
+            dev = probs.device
+            pa = torch.from_numpy(plan.edge_parents).to(dev)
+            tk = torch.from_numpy(plan.edge_tokens).to(dev)
+            e[1:] = probs.detach()[pa, tk].to(torch.float64).cpu().numpy()
+        if row_sums is not None:
+            e[1:] /= row_sums[plan.edge_parents]
+    return e
 
 
-def _prefix_and_cover(parents: np.ndarray, q: np.ndarray, row_sums: np.ndarray | None):
-    """P (Eq. 2) and cov(v) = sum_{u in Ch(v)} q(u), level-parallel: cov is one scatter-add over the
-    edges; P is a prefix product along every root path by pointer doubling (ceil(log2(depth + 1))
-    rounds of whole-array gathers: P <- P * P[anc], anc <- anc[anc], the root's P = 1 and anc = root),
-    so no step walks the nodes one by one."""
-    n = len(parents)
-    anc = parents.copy()
-    anc[0] = 0
-    P = np.empty(n)
-    P[0] = 1.0
-    P[1:] = q if row_sums is None else q / row_sums[anc[1:]]
-    cov = np.bincount(anc[1:], weights=P[1:], minlength=n)
-    while True:
-        P *= P[anc]  # numpy evaluates P[anc] first (a copy): every node reads the previous round
-        anc = anc[anc]
-        if not anc.any():  # every node's jump target is the root
-            return P, cov
-
-
-def _recheck(rho: np.ndarray, parents: np.ndarray, tokens: np.ndarray, probs: torch.Tensor) -> None:
+def _recheck(rho: np.ndarray, plan: TreePlan, probs: torch.Tensor) -> None:
     """Recompute in place, from v's float64 row, every rho(v) < RHO_RECHECK (only nodes with
     children get there, rarely): the mass outside v's drafted children over the row total."""
     for v in np.flatnonzero(rho < RHO_RECHECK).tolist():
         row = probs[v].detach().to(torch.float64, copy=True)
         total = float(row.sum())
-        row[torch.from_numpy(tokens[parents == v]).to(row.device)] = 0.0
+        row[torch.from_numpy(plan.child_tokens[v]).to(row.device)] = 0.0
         rho[v] = float(row.sum()) / total
 
 
-def law_from_edges(
-    parents: np.ndarray, tokens: np.ndarray, q: np.ndarray, probs: torch.Tensor, row_sums: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(P, rho, w) of Algorithm 1, lines 3-7, from the edge probabilities ``q``, level-parallel
-    (:func:`_prefix_and_cover`: one scatter-add and a pointer-doubling prefix product; O(N log H)
-    work in a handful of whole-array operations, no per-node loop).
+def law_from_edges(plan: TreePlan, e: np.ndarray, probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(P, rho, w) of Algorithm 1, lines 3-7, from the edge probabilities, level-parallel in a few
+    whole-array numpy operations (no per-node loop):
 
-    The recurrences and float64 arithmetic of :func:`exit_law` (the reference):
-    P(v) = P(pa(v)) q(v) (Eq. 2), rho(v) = 1 - sum_{u in Ch(v)} q(u), w = P rho (Eq. 4). rho(v) below
-    :data:`RHO_RECHECK` is recomputed exactly from v's float64 row, so rho(v) is exactly 0 iff p_v
-    has no mass outside its children.
+    * P(v) = prod_k e(ancestors[k, v]) (Eq. 2 unrolled along the root path: one gather of the
+      ``[D, N]`` ancestor table and one product over its D rows);
+    * rho(v) = 1 - sum_{u in Ch(v)} q(u) (Eq. 4: one scatter-add of the edges onto their parents);
+      rho(v) below :data:`RHO_RECHECK` is recomputed exactly from v's float64 row, so rho(v) is
+      exactly 0 iff p_v has no mass outside its children;
+    * w = P rho (Eq. 4, Lemma 1).
+
+    The arithmetic is float64, as in :func:`exit_law` (the reference), and agrees with it to ~1e-7
+    relative for float32 rows, exact zeros included.
 
     Args:
-        parents, tokens: the tree as int64 numpy arrays ``[N]`` (validated: ``0 <= parents[v] < v``).
-        q: :func:`edge_probs` of the tree, float64 ``[N - 1]``.
+        plan: the tree's :class:`impl.tev.plan.TreePlan`.
+        e: :func:`edge_probs` of the tree, float64 ``[N]``.
         probs: floating ``[N, V]`` target rows (read only for the rare exact rho recomputation).
-        row_sums: optional float64 ``[N]`` row sums; each q is then divided by its parent's (the rows
-            are renormalised, as :func:`check_target_probs` does); None takes the rows to sum to 1
-            (a float32 softmax does, to ~1e-7, the precision of the rows themselves).
 
     Returns:
-        ``(P, rho, w)``, float64 ``[N]`` each, equal to :func:`exit_law` to ~1e-7 relative for
-        float32 rows, exact zeros included.
+        ``(P, rho, w)``, float64 ``[N]`` each.
     """
-    P, cov = _prefix_and_cover(parents, q, row_sums)
-    rho = 1.0 - cov
-    if len(cov) and cov.max() > 1.0 - RHO_RECHECK:
-        _recheck(rho, parents, tokens, probs)
+    n = len(plan)
+    P = np.multiply.reduce(e[plan.ancestors], axis=0) if len(plan.ancestors) else np.ones(n)
+    rho = 1.0 - np.bincount(plan.edge_parents, weights=e[1:], minlength=n)
+    if rho.min() < RHO_RECHECK:
+        _recheck(rho, plan, probs)
     return P, rho, P * rho
 
 
-def exit_cdf(
-    parents: np.ndarray, tokens: np.ndarray, q: np.ndarray, probs: torch.Tensor, row_sums: np.ndarray | None = None,
-) -> np.ndarray:
+def exit_cdf(plan: TreePlan, e: np.ndarray, probs: torch.Tensor) -> np.ndarray:
     """Cumulative sums (in node id order) of the canonical exit law w of :func:`law_from_edges`: the
     inverse CDF of Algorithm 1, line 8. Args: as :func:`law_from_edges`. Returns float64 ``[N]``."""
-    return np.cumsum(law_from_edges(parents, tokens, q, probs, row_sums)[2])
+    _, _, w = law_from_edges(plan, e, probs)
+    return np.cumsum(w, out=w)
 
 
 def exit_law(

@@ -9,11 +9,14 @@ target tree forward. :func:`verifier_latency` reproduces that protocol:
    realized tree, its per-node target rows p_v (float32 ``[N, V]``, temperature applied) and the
    KV cache holding ``prefix + N`` rows; these are shared by every verifier;
 2. on each tree it times every verifier (``validate=False``: the tree was validated when it was
-   built and the rows are a softmax) plus :func:`impl.tev.decode.commit_cache` of its accepted path
-   on a fresh copy of that cache, interleaved: ``warmup + repeats`` passes over the verifiers, each
-   pass in a fresh seeded random order (so that no verifier always follows the same one), the
+   built and the rows are a softmax; ``plan=tree.plan()``: the tree's index tables, built with the
+   tree as DDTree's builder returns its child maps, so outside the timed stage for every verifier)
+   plus :func:`impl.tev.decode.commit_cache` of its accepted path on a fresh copy of that cache,
+   interleaved: ``warmup + repeats`` passes over the verifiers, each pass in a fresh seeded random order (so that no verifier always follows the same one), the
    warm-up passes discarded, the copies made before the first pass, the garbage collector paused
-   and everything under ``torch.inference_mode`` (as DDTree's generation loop runs);
+   and everything under ``torch.inference_mode`` (as DDTree's generation loop runs); reference arms
+   named ``isolated`` (DDTree's ``torch.multinomial`` predraw, which streams megabytes of
+   temporaries through the caches) are timed in passes of their own after the interleaved ones;
 3. the round then commits one exact path (TEV's, untimed) to the real cache and decoding continues.
 
 Per (budget, verifier) it reports the per-tree median latency (median and mean over trees, plus the
@@ -76,35 +79,42 @@ def _resolve(verifiers) -> dict[str, Callable]:
     return out
 
 
-def _time_tree(arms: dict[str, Callable], gens: dict[str, torch.Generator], parents, tokens, probs, cache,
-               prefix_len: int, repeats: int, warmup: int, order_seed: str) -> dict[str, list[tuple[float, float, int]]]:
+def _time_tree(arms: dict[str, Callable], gens: dict[str, torch.Generator], tree, probs, cache,
+               prefix_len: int, repeats: int, warmup: int, order_seed: str,
+               isolated: Sequence[str] = ()) -> dict[str, list[tuple[float, float, int]]]:
     """``warmup + repeats`` interleaved passes over the arms on one tree; returns per arm the timed
     ``(decision_s, commit_s, tau)`` of the non-warm-up passes. All cache copies are made before the
     first pass, so no copy (and no large allocation) runs between timed calls. Each pass visits the
     arms in a fresh random order (``random.Random(order_seed)``): a rotation would keep every arm's
-    predecessor fixed, so the arm after a cache-thrashing one (the multinomial predraw) would always
-    start cold."""
-    names = list(arms)
+    predecessor fixed. The arms named in ``isolated`` (reference arms that stream large temporaries
+    through the caches, e.g. DDTree's ``torch.multinomial`` predraw, ~50x the others' time) are left
+    out of the interleaving and timed afterwards in passes of their own on the same tree, so they
+    cannot evict the caches of the arms compared in the interleaved passes."""
     rng = random.Random(order_seed)
+    parents, tokens, plan = tree.parents, tree.tokens, tree.plan()  # the plan is built with the tree
     n = len(parents)
-    out: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
-    copies = [[_clone_cache(cache) for _ in names] for _ in range(warmup + repeats)]
+    mixed = [name for name in arms if name not in isolated]
+    passes = [rng.sample(mixed, len(mixed)) for _ in range(warmup + repeats)]
+    passes += [[name] for name in arms if name in isolated for _ in range(warmup + repeats)]
+    out: dict[str, list[tuple[float, float, int]]] = {name: [] for name in arms}
+    copies = [[_clone_cache(cache) for _ in order] for order in passes]
+    seen: dict[str, int] = {name: 0 for name in arms}
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for rep in range(warmup + repeats):
-            order = rng.sample(names, len(names))
-            for name, c in zip(order, copies[rep]):
+        for order, cs in zip(passes, copies):
+            for name, c in zip(order, cs):
                 _sync(probs.device)
                 t0 = time.perf_counter()
-                path, _ = arms[name](parents, tokens, probs, gens[name], validate=False)
+                path, _ = arms[name](parents, tokens, probs, gens[name], validate=False, plan=plan)
                 _sync(probs.device)
                 t1 = time.perf_counter()
                 commit_cache(c, prefix_len, n, path)
                 _sync(probs.device)
                 t2 = time.perf_counter()
-                if rep >= warmup:
+                if seen[name] >= warmup:
                     out[name].append((t1 - t0, t2 - t1, len(path)))
+                seen[name] += 1
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -127,6 +137,7 @@ def verifier_latency(
     verifiers: Sequence[str] | Mapping[str, Callable] | None = None,
     baseline: str = BASELINE,
     rounds_per_prompt: int = 8,
+    isolated: Sequence[str] = (),
 ) -> list[dict]:
     """Time verifier decision + cache commit per realized tree, interleaved across verifiers
     (TEV App. D.1, Table 3; protocol in the module docstring).
@@ -151,12 +162,16 @@ def verifier_latency(
             sampler); default :data:`DEFAULT_VERIFIERS`.
         baseline: the verifier the ratios refer to (must be among ``verifiers``).
         rounds_per_prompt: decoding rounds (trees) taken from one prompt before moving on.
+        isolated: verifier names timed in passes of their own after the interleaved ones (same
+            trees, same cache copies protocol), for reference arms that would evict the others'
+            caches (see :func:`_time_tree`); must be among ``verifiers`` and not the baseline.
 
     Memory: each tree holds ``(warmup + repeats) * len(verifiers)`` deep copies of the KV cache.
 
     Returns:
         One dict per (budget, verifier), budgets in the given order, verifiers in the given order:
         ``budget, verifier, baseline, depth, temperature, n_trees, repeats, n_calls`` (timed calls),
+        ``timing`` (``"interleaved"`` or ``"isolated"``),
         ``median_us`` / ``mean_us`` (median / mean over trees of the per-tree median of decision +
         commit, microseconds), ``decision_median_us`` / ``commit_median_us`` (median over trees of
         the per-tree medians of each part), ``ratio_median`` (median over trees of per-tree median /
@@ -175,6 +190,8 @@ def verifier_latency(
     arms = _resolve(verifiers)
     if baseline not in arms:
         raise ValueError(f"baseline {baseline!r} is not among the verifiers {list(arms)}")
+    if any(name not in arms or name == baseline for name in isolated):
+        raise ValueError(f"isolated arms {list(isolated)} must be verifiers other than the baseline {baseline!r}")
     if not prompts:
         raise ValueError("need at least one prompt")
     H = int(drafter.block_size)
@@ -236,8 +253,8 @@ def verifier_latency(
                 else:
                     probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
                 cp = target_coverage(tree.parents, tree.tokens, probs)
-                timed = _time_tree(arms, gens, tree.parents, tree.tokens, probs, cache, prefix_len, repeats, warmup,
-                                   order_seed=f"{seed}:{budget}:{len(cps)}")
+                timed = _time_tree(arms, gens, tree, probs, cache, prefix_len, repeats, warmup,
+                                   order_seed=f"{seed}:{budget}:{len(cps)}", isolated=isolated)
                 for name, got in timed.items():
                     calls[name] += got
                     per_tree[name].append(_median([a + b for a, b, _ in got]))
@@ -247,7 +264,7 @@ def verifier_latency(
                 cps.append(cp)
                 sizes.append(len(tree) - 1)
                 # continue decoding along one exact path (untimed)
-                path, bonus = VERIFIERS["tev"](tree.parents, tree.tokens, probs, gen, validate=False)
+                path, bonus = VERIFIERS["tev"](tree.parents, tree.tokens, probs, gen, validate=False, plan=tree.plan())
                 commit_cache(cache, prefix_len, len(tree), path)
                 pending = tree_feats[torch.tensor(path, device=tree_feats.device)]
                 seq += tree.path_tokens(path[-1]) + [bonus]
@@ -266,6 +283,7 @@ def verifier_latency(
                 "n_trees": len(cps),
                 "repeats": repeats,
                 "n_calls": len(calls[name]),
+                "timing": "isolated" if name in isolated else "interleaved",
                 "median_us": 1e6 * _median(per_tree[name]),
                 "mean_us": 1e6 * _mean(per_tree[name]),
                 "decision_median_us": 1e6 * _median(per_tree_dec[name]),

@@ -144,6 +144,8 @@ def _latency_verdicts(lat: pd.DataFrame) -> list[str]:
                             ("predraw_ddtree_multinomial", "predraw as DDTree's code draws (torch.multinomial)")):
             if base not in sub.index:
                 continue
+            if "timing" in sub.columns and sub.at[base, "timing"] == "isolated":
+                label += " (timed in its own passes on the same trees)"
             of_medians = float(sub.at["tev", "median_us"] / sub.at[base, "median_us"])
             paired = ("ratio_median" in sub.columns and "baseline" in sub.columns
                       and sub.at["tev", "baseline"] == base)

@@ -208,6 +208,17 @@ class DraftTree:
         """Node ids by depth: a list of int64 tensors (see :func:`depth_levels`)."""
         return depth_levels(self.depths)
 
+    def plan(self):
+        """The verifiers' index tables of this tree (:class:`impl.tev.plan.TreePlan`), built on the
+        first call and cached until the tree grows (:meth:`add_child`)."""
+        cached = getattr(self, "_plan", None)
+        if cached is None or len(cached) != len(self.parents):
+            from .plan import tree_plan
+
+            cached = tree_plan(self.parents, self.tokens)
+            object.__setattr__(self, "_plan", cached)
+        return cached
+
     def path_to(self, node: int) -> list[int]:
         """Node ids on the root-to-``node`` path, root first and ``node`` last.
 

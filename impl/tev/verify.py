@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from .exit_law import PROB_ATOL, check_target_probs, edge_probs, exit_cdf, host_view, law_from_edges
+from .plan import TreePlan, tree_plan
 from .tree import IntSeq, path_to, validate_tree
 
 Verifier = Callable[..., tuple[list[int], int]]
@@ -108,6 +109,27 @@ def _checked(parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, atol: float):
             return par, tok, s
     check_target_probs(par, tok, probs, atol)  # raises the specific error
     raise ValueError("probs failed validation (non-finite row sum)")  # pragma: no cover - overflow only
+
+
+def _plan(parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, atol: float, validate: bool,
+          plan: TreePlan | None) -> tuple[TreePlan, np.ndarray | None]:
+    """The tree plan a verifier works from, and the float64 row sums when validating (else None).
+
+    With ``validate`` the tree and rows are checked (:func:`_checked`) and a given plan must describe
+    the same tree; without it a given plan is trusted (only its size is compared) and a missing one
+    is built (:func:`impl.tev.plan.tree_plan`, which validates the tree)."""
+    row_sums = None
+    if validate:
+        par, tok, s = _checked(parents, tokens, probs, atol)
+        row_sums = s.to(device="cpu", dtype=torch.float64).numpy()
+        if plan is not None and (plan.parents != par or plan.tokens != tok):
+            raise ValueError("plan does not describe the tree (parents, tokens) it was passed with")
+        return (plan if plan is not None else tree_plan(par, tok)), row_sums
+    if plan is None:
+        return tree_plan(*_lists(parents, tokens)), None
+    if len(plan) != len(parents):
+        raise ValueError(f"plan has {len(plan)} nodes but the tree has {len(parents)}")
+    return plan, None
 
 
 # --- sampling primitives -------------------------------------------------------------------------
@@ -220,15 +242,15 @@ def _categorical_rows(probs: torch.Tensor, generator: torch.Generator, sampler: 
 @_inference_mode
 def predraw_follow(
     parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL,
-    *, validate: bool = True, sampler: str = "cdf", draws: str = "all",
+    *, validate: bool = True, sampler: str = "cdf", draws: str = "all", plan: TreePlan | None = None,
 ) -> tuple[list[int], int]:
     """DDTree's predraw-and-follow verifier (TEV Sec. 2; App. A.4.1, Eqs. 42-44).
 
     One target token R_v ~ p_v is pre-drawn independently at every node (one batched draw over the
     N rows, as DDTree samples every tree row of the target forward before following). Starting at
     the root, the verifier moves to the child u with x_u = R_v while one exists; at the first node v
-    without such a child it stops, and R_v is the bonus token. The child lookup is a dict keyed by
-    (parent, token), built in one C-level pass (DDTree's builder returns the same child maps).
+    without such a child it stops, and R_v is the bonus token. The child lookup is the tree plan's
+    dict keyed by (parent, token) (DDTree's builder returns the same child maps with the tree).
 
     Args:
         parents: N parent indices; tokens: N incoming tokens (see module docstring).
@@ -243,6 +265,8 @@ def predraw_follow(
             variate per entry).
         draws: ``"all"`` (DDTree) or ``"visited"`` (draw R_v only at the nodes the walk reaches: the
             same law, since the other draws are never read).
+        plan: the tree's :class:`impl.tev.plan.TreePlan` (``tree.plan()``), built when the tree was
+            fixed; None builds it here (validating the tree).
 
     Returns:
         ``(path, bonus)``: accepted node ids root..V (``list[int]``) and the bonus token id (int).
@@ -254,11 +278,8 @@ def predraw_follow(
     _check_generator(generator)
     _check_choice("sampler", sampler, SAMPLERS)
     _check_choice("draws", draws, PREDRAW_MODES)
-    if validate:
-        par, tok, _ = _checked(parents, tokens, probs, atol)
-    else:
-        par, tok = _lists(parents, tokens)
-    kids = dict(zip(zip(par[1:], tok[1:]), range(1, len(par))))
+    plan = _plan(parents, tokens, probs, atol, validate, plan)[0]
+    kids = plan.child_map
     path = [0]
     if draws == "all":
         drawn = _categorical_rows(probs, generator, sampler)  # R_v for every v
@@ -276,7 +297,7 @@ def predraw_follow(
 @_inference_mode
 def sequential_residual(
     parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL,
-    *, validate: bool = True, sampler: str = "cdf",
+    *, validate: bool = True, sampler: str = "cdf", plan: TreePlan | None = None,
 ) -> tuple[list[int], int]:
     """EAGLE-style exact sequential residual verification (TEV Sec. 2; App. A.4.2, Eqs. 45-53).
 
@@ -300,6 +321,7 @@ def sequential_residual(
         atol: row-sum tolerance of ``probs``.
         validate: as :func:`predraw_follow`.
         sampler: primitive of the bonus draw, as :func:`predraw_follow`.
+        plan: as :func:`predraw_follow` (its ``children`` lists).
 
     Returns:
         ``(path, bonus)``: accepted node ids root..V (``list[int]``) and the bonus token id (int).
@@ -309,20 +331,15 @@ def sequential_residual(
     """
     _check_generator(generator)
     _check_choice("sampler", sampler, SAMPLERS)
-    if validate:
-        par, tok, _ = _checked(parents, tokens, probs, atol)
-    else:
-        par, tok = _lists(parents, tokens)
-    kids: dict[int, list[int]] = {}
-    for u in range(1, len(par)):
-        kids.setdefault(par[u], []).append(u)
+    plan = _plan(parents, tokens, probs, atol, validate, plan)[0]
+    kids, tok = plan.children, plan.tokens
     path = [0]
     while True:
         v = path[-1]
         g = probs[v].to(torch.float64, copy=True)
         row_mass = mass = float(g.sum())
         accepted = None
-        for u in kids.get(v, ()):
+        for u in kids[v]:
             x = tok[u]
             gx = float(g[x])
             r = float(torch.rand((), dtype=torch.float64, generator=generator, device=g.device))
@@ -340,45 +357,46 @@ def sequential_residual(
         path.append(accepted)
 
 
-def _residual_draw(probs: torch.Tensor, v: int, drafted: list[tuple[int, float]], u: float,
-                   host: np.ndarray | None) -> int:
-    """Y ~ p_v^res for the uniform ``u``: exact inverse CDF of row v with the ``drafted`` tokens
-    (pairs ``(token, p_v(token))``) removed, as a two-level search that reads the row once.
+def _residual_draw(probs: torch.Tensor, v: int, drafted: np.ndarray, u: float, host: np.ndarray | None) -> int:
+    """Y ~ p_v^res for the uniform ``u``: exact inverse CDF of row v with the ``drafted`` tokens A(v)
+    (int64 numpy ``[k]``) removed.
 
-    One torch reduction gives the float64 sums of ~sqrt(V)-sized blocks; the drafted tokens' mass is
-    taken off their blocks; the block is located on the (Python float) cumulative block sums, then
-    the token on the cumulative sums of that block's entries (drafted ones zeroed). If rounding
-    between the levels lands past the block or on a zero entry (probability ~1e-16), the exact
-    one-level float64 search over the zeroed row is used with the same uniform, so a drafted or
-    zero-probability token is never returned; on rows whose partial sums are exact (e.g. on a 2^-24
-    grid) both levels return the one-level index exactly.
+    On the host view it is a two-level search that reads the row once: float64 sums of
+    ~sqrt(V)-sized blocks (one vectorised reduction), minus the drafted tokens' mass (one
+    scatter-add), locate the block on their cumulative sums, then the token on the cumulative sums of
+    that block's entries (drafted ones zeroed). If rounding between the levels lands past the block
+    or on a zero entry (probability ~1e-16), and always without a host view (another device or
+    dtype), the exact one-level float64 search over the zeroed row is used with the same uniform, so
+    a drafted or zero-probability token is never returned; on rows whose partial sums are exact (e.g.
+    on a 2^-24 grid) both levels return the one-level index exactly.
     """
-    row = probs[v]  # (the verifiers run under inference mode: nothing is recorded)
-    v_size = row.shape[0]
-    blk = _block(v_size)
-    sh = blk.bit_length() - 1  # blk is a power of two: block of token a = a >> sh
-    nb, full = v_size >> sh, (v_size >> sh) << sh
-    sums = (row if full == v_size else row[:full]).reshape(nb, blk).sum(1, dtype=torch.float64).tolist()
-    if full < v_size:
-        sums.append(float(row[full:].sum(dtype=torch.float64)))
-    for a, x in drafted:
-        sums[a >> sh] -= x
-    if drafted and min(sums) < 0:  # rounding: a block left with (almost) nothing
-        sums = [x if x > 0 else 0.0 for x in sums]
-    c = list(itertools.accumulate(sums))
-    target = u * c[-1]
-    b = bisect.bisect_right(c, target)
-    if b < len(c):
-        lo, hi = b * blk, min(b * blk + blk, v_size)
-        within = host[v, lo:hi].tolist() if host is not None else row[lo:hi].tolist()
-        for i in [a - lo for a, _ in drafted if lo <= a < hi]:
-            within[i] = 0.0
-        j = bisect.bisect_right(list(itertools.accumulate(within)), target - (c[b - 1] if b else 0.0))
-        if j < len(within) and within[j] > 0:
-            return lo + j
-    res = row.to(torch.float64, copy=True)  # rounding between the levels (or an empty residual): exact path
-    if drafted:
-        res[torch.tensor([a for a, _ in drafted], device=res.device)] = 0.0
+    if host is not None:
+        row = host[v]
+        v_size = row.shape[0]
+        blk = _block(v_size)
+        sh = blk.bit_length() - 1  # blk is a power of two: block of token a = a >> sh
+        nb, full = v_size >> sh, (v_size >> sh) << sh
+        sums = row[:full].reshape(nb, blk).sum(1, dtype=np.float64)
+        if full < v_size:
+            sums = np.append(sums, row[full:].sum(dtype=np.float64))
+        if len(drafted):
+            sums -= np.bincount(drafted >> sh, weights=row[drafted], minlength=len(sums))
+            np.maximum(sums, 0.0, out=sums)  # rounding: a block left with (almost) nothing
+        c = np.cumsum(sums, out=sums)
+        target = u * c[-1]
+        b = int(c.searchsorted(target, "right"))
+        if b < len(c):
+            lo = b << sh
+            within = row[lo:lo + blk].astype(np.float64)
+            if len(drafted):
+                mine = drafted[(drafted >= lo) & (drafted < lo + blk)]
+                within[mine - lo] = 0.0
+            j = int(np.cumsum(within).searchsorted(target - (c[b - 1] if b else 0.0), "right"))
+            if j < len(within) and within[j] > 0:
+                return lo + j
+    res = probs[v].to(torch.float64, copy=True)  # exact one-level path (inference mode: nothing recorded)
+    if len(drafted):
+        res[torch.from_numpy(drafted).to(res.device)] = 0.0
     return _inverse_cdf_at(res, u)
 
 
@@ -398,17 +416,18 @@ def _search_cdf(c: np.ndarray, u: float) -> int:
 @_inference_mode
 def tev(
     parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, generator: torch.Generator, atol: float = PROB_ATOL,
-    *, validate: bool = True, sampler: str = "cdf",
+    *, validate: bool = True, sampler: str = "cdf", plan: TreePlan | None = None,
 ) -> tuple[list[int], int]:
     """Tree Exit Verification (TEV Sec. 4; App. B, Algorithm 1; exactness in Corollary 2).
 
     Reads the N - 1 edge probabilities q(u) = p_{pa(u)}(x_u) (:func:`impl.tev.exit_law.edge_probs`),
     forms the canonical exit law w = P rho from them, as its cumulative sums (Algorithm 1, lines
-    3-7, level-parallel: :func:`impl.tev.exit_law.exit_cdf`), draws the exit node
-    V ~ Categorical(w) (line 8) and one bonus token Y ~ p_V^res, i.e. p_V with V's drafted child
-    tokens removed (p_V itself at a leaf; line 9), reading row V once (:func:`_residual_draw`). The
-    accepted path is the root path of V. Nothing of size N x V is touched: N - 1 entries, one row,
-    and O(N log H) float64 work in whole-array operations; no float64 copy of ``probs``.
+    3-7, level-parallel over the tree plan's ancestor table: :func:`impl.tev.exit_law.exit_cdf`),
+    draws the exit node V ~ Categorical(w) (line 8) and one bonus token Y ~ p_V^res, i.e. p_V with
+    V's drafted child tokens removed (p_V itself at a leaf; line 9), reading row V once
+    (:func:`_residual_draw`). The accepted path is the root path of V. Nothing of size N x V is
+    touched: N - 1 entries, one row, and O(N D) float64 work in whole-array operations; no float64
+    copy of ``probs`` and no per-node Python loop.
 
     Args:
         parents: N parent indices; tokens: N incoming tokens (see module docstring); lists or 1-D
@@ -421,40 +440,31 @@ def tev(
             float32 softmax is, to ~1e-7) and are not re-summed; with True the edge probabilities
             are divided by the row sums of the validation pass.
         sampler: primitive of the two draws, as :func:`predraw_follow`.
+        plan: as :func:`predraw_follow` (its edge indices, ancestor table and child tokens).
 
     Returns:
         ``(path, bonus)``: accepted node ids root..V (``list[int]``) and the bonus token id (int).
 
     Raises:
-        ValueError: invalid tree, ``probs``, ``generator`` or ``sampler`` (as :func:`predraw_follow`).
+        ValueError: invalid tree, ``probs``, ``generator``, ``sampler`` or ``plan`` (as
+            :func:`predraw_follow`).
     """
     _check_generator(generator)
     _check_choice("sampler", sampler, SAMPLERS)
-    row_sums = None
-    if validate:
-        par, tok, s = _checked(parents, tokens, probs, atol)
-        row_sums = s.tolist()
-    else:
-        par, tok = _lists(parents, tokens)
+    plan, row_sums = _plan(parents, tokens, probs, atol, validate, plan)
     host = host_view(probs)
-    pa, tk = np.asarray(par, dtype=np.int64), np.asarray(tok, dtype=np.int64)
-    if row_sums is not None:
-        row_sums = np.asarray(row_sums, dtype=np.float64)
-    q = edge_probs(pa, tk, probs, host)
+    e = edge_probs(plan, probs, host, row_sums)
     if sampler == "cdf":
-        cdf = exit_cdf(pa, tk, q, probs, row_sums)
+        cdf = exit_cdf(plan, e, probs)
         u_exit, u_bonus = torch.rand(2, dtype=torch.float64, generator=generator, device=probs.device).tolist()
         v = _search_cdf(cdf, u_exit)
-        kids = pa[1:] == v  # A(V) and p_V there
-        drafted = list(zip(tk[1:][kids].tolist(), q[kids].tolist()))
-        return path_to(par, v), _residual_draw(probs, v, drafted, u_bonus, host)
-    _, _, w = law_from_edges(pa, tk, q, probs, row_sums)
+        return path_to(plan.parents, v), _residual_draw(probs, v, plan.child_tokens[v], u_bonus, host)
+    _, _, w = law_from_edges(plan, e, probs)
     v = int(torch.multinomial(torch.from_numpy(w).to(probs.device), 1, generator=generator))
     res = probs[v].detach().to(torch.float64, copy=True)
-    drafted_tokens = tk[1:][pa[1:] == v]
-    if len(drafted_tokens):
-        res[torch.from_numpy(drafted_tokens).to(res.device)] = 0.0
-    return path_to(par, v), _categorical(res, generator, sampler)
+    if len(plan.child_tokens[v]):
+        res[torch.from_numpy(plan.child_tokens[v]).to(res.device)] = 0.0
+    return path_to(plan.parents, v), _categorical(res, generator, sampler)
 
 
 def greedy_follow(parents: IntSeq, tokens: IntSeq, argmax_ids: IntSeq) -> tuple[list[int], int]:

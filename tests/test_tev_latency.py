@@ -663,3 +663,18 @@ def test_commit_in_any_grad_mode(tiny_model, build_mode, commit_mode):
     with modes[build_mode](), torch.no_grad():
         tiny_model(input_ids=torch.tensor([[7]]), cache=cache, use_cache=True)
     assert cache.get_seq_length() == len(prefix) + 4
+
+
+def test_report_tau_agreement():
+    """Predraw and TEV taus on the same trees must agree within 1.96 combined SE; a gap beyond it FAILs."""
+    import pandas as pd
+
+    from impl.tev.report import _tau_agreement
+
+    rows = [{"budget": b, "verifier": v, "mean_tau": t, "tau_se": se}
+            for b, v, t, se in [(64, "predraw_follow", 1.40, 0.03), (64, "tev", 1.45, 0.03),
+                                (128, "predraw_follow", 1.40, 0.01), (128, "tev", 1.50, 0.01)]]
+    lines = _tau_agreement(pd.DataFrame(rows))
+    assert len(lines) == 2 and "B = 64" in lines[0] and lines[0].endswith("**PASS**")
+    assert "+0.100" in lines[1] and lines[1].endswith("**FAIL**")
+    assert _tau_agreement(pd.DataFrame([{"budget": 64, "verifier": "tev", "median_us": 1.0}])) == []

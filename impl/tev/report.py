@@ -10,6 +10,7 @@ the cell's prompts, measured in the same run.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -157,6 +158,27 @@ def _latency_verdicts(lat: pd.DataFrame) -> list[str]:
     return out
 
 
+def _tau_agreement(lat: pd.DataFrame, z: float = 1.96) -> list[str]:
+    """One line per budget: TEV's and predraw's mean tau on the same realised trees agree within
+    sampling error (Theorem 1: both attain 1 + C_p(T)); the difference of the means is compared with
+    ``z`` times the combined standard error of the two arms' independent draws (``tau_se`` of each:
+    the SE of tau - 1 - C_p over its calls, so the trees' own spread, common to both, cancels)."""
+    out = []
+    if not {"mean_tau", "tau_se"} <= set(lat.columns):
+        return out
+    for b, sub in lat.groupby("budget", sort=True):
+        sub = sub.set_index("verifier")
+        if not {"tev", "predraw_follow"} <= set(sub.index):
+            continue
+        diff = float(sub.at["tev", "mean_tau"] - sub.at["predraw_follow", "mean_tau"])
+        bound = z * math.hypot(float(sub.at["tev", "tau_se"]), float(sub.at["predraw_follow", "tau_se"]))
+        ok = abs(diff) <= bound
+        out.append(f"- TEV and predraw mean tau on the same trees at B = {int(b)}: "
+                   f"{float(sub.at['tev', 'mean_tau']):.3f} vs {float(sub.at['predraw_follow', 'mean_tau']):.3f}, "
+                   f"difference {diff:+.3f} within {z:g} combined SE ({bound:.3f}): **{'PASS' if ok else 'FAIL'}**")
+    return out
+
+
 def report_section(tables_dir, figures_dir, base) -> list[str]:
     """Markdown lines of the TEV section of REPORT.md."""
     td, base = Path(tables_dir), Path(base)
@@ -182,7 +204,7 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
                      f"{'; failing: ' + ', '.join(bad) if bad else ''}; each pair is a 95% test, so with many pairs "
                      f"one can fail by chance)")
     if len(lat) and {"verifier", "budget", "median_us"} <= set(lat.columns):
-        lines += _latency_verdicts(lat)
+        lines += _latency_verdicts(lat) + _tau_agreement(lat)
     lines += ["", "tau = tokens committed per target verification round, bonus included, micro average over "
               "rounds; SR = AR wall time / arm wall time in the same run (this CPU).", ""]
     for name, cap in (("tev_main", "Main table (Table 1 shape)"), ("tev_objective", "Objective ablation (Table 2 shape)"),

@@ -23,7 +23,16 @@ import torch
 from scipy import stats
 
 from impl.tev.decode import FixedDrafter, commit_cache
-from impl.tev.exit_law import edge_probs, exit_cdf, exit_law, host_view, law_from_edges, residual_distribution
+from impl.tev.exit_law import (
+    RHO_RECHECK,
+    edge_probs,
+    exit_cdf,
+    exit_law,
+    host_view,
+    law_from_edges,
+    residual_distribution,
+    unchecked_exit_cdf,
+)
 from impl.tev.latency import DEFAULT_VERIFIERS, TargetChainDrafter, bigram_drafter, verifier_latency
 from impl.tev.plan import tree_plan
 from impl.tev.tree import DraftTree, path_to
@@ -138,6 +147,12 @@ def test_exit_cdf_is_the_cumulative_law(seed, n, v, d, kind, chain):
         _, _, w = law_from_edges(plan, e, probs)
         c = exit_cdf(plan, e, probs)
         np.testing.assert_allclose(c, list(itertools.accumulate(w.tolist())), rtol=1e-13, atol=0)
+        # the hot-path form: identical where no rho needs the exact recheck, within float32 rounding elsewhere
+        fast, rho = unchecked_exit_cdf(plan, e)
+        if rho.min() >= RHO_RECHECK:
+            assert fast.tolist() == c.tolist()
+        else:
+            np.testing.assert_allclose(fast, c, rtol=0, atol=1e-6)
 
 
 def test_search_cdf_never_returns_a_zero_weight():
@@ -195,7 +210,7 @@ def test_tree_plan_tables(seed, n, v, d, kind, chain):
     for u in range(len(t)):
         want = path_to(t.parents, u)[1:][::-1]
         assert plan.ancestors[:, u].tolist() == want + [0] * (t.max_depth - len(want))
-        assert plan.children[u] == t.children[u] and plan.child_tokens[u].tolist() == [t.tokens[c] for c in t.children[u]]
+        assert plan.children[u] == t.children[u] and plan.child_tokens[u].tolist() == sorted(t.tokens[c] for c in t.children[u])
     assert plan.child_map == {(t.parents[u], t.tokens[u]): u for u in range(1, len(t))}
     t.add_child(0, v + 7)
     assert t.plan() is not plan and len(t.plan()) == len(t)

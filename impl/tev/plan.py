@@ -13,8 +13,8 @@ work:
   With e(0) = 1 and e(u) = q(u), the prefix probability P(v) = prod_k e(ancestors[k, v]) (Eq. 2) is
   one gather and one reduction over all nodes at once; the table itself is built by D whole-array
   gathers (level-parallel pointer chasing), not node by node;
-* ``children`` / ``child_tokens``: each node's children (ascending id) and their tokens A(v), the
-  drafted tokens the residual bonus law p_v^res removes (Eq. 7);
+* ``children`` / ``child_tokens``: each node's children (ascending id) and their tokens A(v)
+  (ascending token id), the drafted tokens the residual bonus law p_v^res removes (Eq. 7);
 * ``child_map``: ``(parent, token) -> child`` for predraw's follow step (DDTree).
 
 Plans are read-only; :meth:`impl.tev.tree.DraftTree.plan` caches one per tree.
@@ -39,7 +39,7 @@ class TreePlan:
         ancestors: int64 ``[D, N]``: ``ancestors[k, v]`` is v's k-th ancestor (k = 0: v) if it is not
             the root, else 0; D = max depth (0 rows for a root-only tree).
         children: ``list[list[int]]``, children of each node in ascending id order.
-        child_tokens: ``list[np.ndarray]``, int64 tokens of those children (empty at a leaf).
+        child_tokens: ``list[np.ndarray]``, int64 tokens of those children, ascending (empty at a leaf).
         child_map: ``dict[(parent, token), child]`` over the N - 1 edges.
     """
 
@@ -84,6 +84,6 @@ def tree_plan(parents: IntSeq, tokens: IntSeq) -> TreePlan:
     children: list[list[int]] = [[] for _ in range(n)]
     for u in range(1, n):
         children[par[u]].append(u)
-    child_tokens = [tk[c] if c else np.zeros(0, dtype=np.int64) for c in children]
+    child_tokens = [np.sort(tk[c]) if c else np.zeros(0, dtype=np.int64) for c in children]
     child_map = dict(zip(zip(par[1:], tok[1:]), range(1, n)))
     return TreePlan(par, tok, pa[1:].copy(), tk[1:].copy(), ancestors, children, child_tokens, child_map)

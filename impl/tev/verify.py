@@ -39,7 +39,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .exit_law import PROB_ATOL, check_target_probs, edge_probs, exit_cdf, host_view, law_from_edges
+from .exit_law import (
+    PROB_ATOL,
+    RHO_RECHECK,
+    check_target_probs,
+    edge_probs,
+    exit_cdf,
+    host_view,
+    law_from_edges,
+    unchecked_exit_cdf,
+)
 from .plan import TreePlan, tree_plan
 from .tree import IntSeq, path_to, validate_tree
 
@@ -189,6 +198,17 @@ def _block(v_size: int) -> int:
     while b * b < v_size:
         b *= 2
     return b
+
+
+@functools.lru_cache(maxsize=None)
+def _blocks(v_size: int) -> tuple[int, int, int, int]:
+    """``(blk, shift, n_full_blocks, full)`` of the two-level search over a row of ``v_size``:
+    power-of-two blocks of ~sqrt(V) entries, token a in block ``a >> shift``, ``full`` the entries
+    covered by whole blocks (a shorter tail block follows when ``full < v_size``)."""
+    blk = _block(v_size)
+    sh = blk.bit_length() - 1
+    nb = v_size >> sh
+    return blk, sh, nb, nb << sh
 
 
 def inverse_cdf_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -359,41 +379,34 @@ def sequential_residual(
 
 def _residual_draw(probs: torch.Tensor, v: int, drafted: np.ndarray, u: float, host: np.ndarray | None) -> int:
     """Y ~ p_v^res for the uniform ``u``: exact inverse CDF of row v with the ``drafted`` tokens A(v)
-    (int64 numpy ``[k]``) removed.
+    (int64 numpy ``[k]``, as :attr:`impl.tev.plan.TreePlan.child_tokens`) removed.
 
-    On the host view it is a two-level search that reads the row once: float64 sums of
-    ~sqrt(V)-sized blocks (one vectorised reduction), minus the drafted tokens' mass (one
-    scatter-add), locate the block on their cumulative sums, then the token on the cumulative sums of
-    that block's entries (drafted ones zeroed). If rounding between the levels lands past the block
-    or on a zero entry (probability ~1e-16), and always without a host view (another device or
-    dtype), the exact one-level float64 search over the zeroed row is used with the same uniform, so
-    a drafted or zero-probability token is never returned; on rows whose partial sums are exact (e.g.
-    on a 2^-24 grid) both levels return the one-level index exactly.
+    On the host view: a float64 copy of row v with A(v) zeroed, then a two-level search: sums of
+    ~sqrt(V)-sized blocks (one vectorised reduction) locate the block on their cumulative sums, and
+    the cumulative sums of that block's entries locate the token. If rounding between the levels
+    lands past the block or on a zero entry (probability ~1e-16), and always without a host view
+    (another device or dtype), the exact one-level float64 search over the zeroed row is used with
+    the same uniform, so a drafted or zero-probability token is never returned; on rows whose
+    partial sums are exact (e.g. on a 2^-24 grid) both levels return the one-level index exactly.
     """
     if host is not None:
-        row = host[v]
-        v_size = row.shape[0]
-        blk = _block(v_size)
-        sh = blk.bit_length() - 1  # blk is a power of two: block of token a = a >> sh
-        nb, full = v_size >> sh, (v_size >> sh) << sh
-        sums = row[:full].reshape(nb, blk).sum(1, dtype=np.float64)
-        if full < v_size:
-            sums = np.append(sums, row[full:].sum(dtype=np.float64))
+        res = host[v].astype(np.float64)
         if len(drafted):
-            sums -= np.bincount(drafted >> sh, weights=row[drafted], minlength=len(sums))
-            np.maximum(sums, 0.0, out=sums)  # rounding: a block left with (almost) nothing
+            res[drafted] = 0.0
+        blk, sh, nb, full = _blocks(len(res))
+        sums = res[:full].reshape(nb, blk).sum(1)
+        if full < len(res):
+            sums = np.append(sums, res[full:].sum())
         c = np.cumsum(sums, out=sums)
         target = u * c[-1]
         b = int(c.searchsorted(target, "right"))
         if b < len(c):
             lo = b << sh
-            within = row[lo:lo + blk].astype(np.float64)
-            if len(drafted):
-                mine = drafted[(drafted >= lo) & (drafted < lo + blk)]
-                within[mine - lo] = 0.0
+            within = res[lo:lo + blk]
             j = int(np.cumsum(within).searchsorted(target - (c[b - 1] if b else 0.0), "right"))
             if j < len(within) and within[j] > 0:
                 return lo + j
+        return _inverse_cdf_at(torch.from_numpy(res), u)
     res = probs[v].to(torch.float64, copy=True)  # exact one-level path (inference mode: nothing recorded)
     if len(drafted):
         res[torch.from_numpy(drafted).to(res.device)] = 0.0
@@ -455,9 +468,11 @@ def tev(
     host = host_view(probs)
     e = edge_probs(plan, probs, host, row_sums)
     if sampler == "cdf":
-        cdf = exit_cdf(plan, e, probs)
+        cdf, rho = unchecked_exit_cdf(plan, e)
         u_exit, u_bonus = torch.rand(2, dtype=torch.float64, generator=generator, device=probs.device).tolist()
         v = _search_cdf(cdf, u_exit)
+        if rho[v] < RHO_RECHECK:  # rare: confirm on the law with exactly recomputed small rho
+            v = _search_cdf(exit_cdf(plan, e, probs), u_exit)
         return path_to(plan.parents, v), _residual_draw(probs, v, plan.child_tokens[v], u_bonus, host)
     _, _, w = law_from_edges(plan, e, probs)
     v = int(torch.multinomial(torch.from_numpy(w).to(probs.device), 1, generator=generator))

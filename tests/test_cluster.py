@@ -24,9 +24,11 @@ PAPER_CONFIGS = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
 PROFILE = ROOT / "profiles" / "slurm" / "config.yaml"
 GPU_RULES = ("measure_ead", "ar_bench", "train_model", "train_adapters", "dex_cell", "tev_train", "tev_cell",
              "tev_latency", "vskipper_train_flexidepth", "vskipper_profile", "vskipper_knee", "vskipper_cell",
-             "vskipper_ablation", "vskipper_randomskip", "vskipper_http")
+             "vskipper_ablation", "vskipper_randomskip", "vskipper_http", "vskipper_model_train_flexidepth",
+             "vskipper_model_profile", "vskipper_model_knee", "vskipper_model_cell")
 MULTI_GPU_RULES = ("dex_distributed",)  # gres gpu:K from the wildcard
-ALL_RULES = tuple(re.findall(r"^\s*rule (\w+):", "\n".join(
+# `rule NAME:` and `use rule PARENT as NAME with:` (the vSkipper Table 6 / 7 rules)
+ALL_RULES = tuple(re.findall(r"^\s*(?:use )?rule (?:\w+ as )?(\w+)(?: with)?:", "\n".join(
     p.read_text() for p in sorted((Path(__file__).resolve().parents[1] / "workflows").glob("*.smk"))), re.M))
 
 

@@ -32,16 +32,20 @@ os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get(
 # when the config sections they use change (their `sig` param), not on every edit. It is written when
 # execution starts (onstart), so a dry run writes nothing.
 EFFECTIVE_CONFIG = f"{RESULTS}/.config/effective.json"
+# Further effective configs (path -> validated config) that families derive from CFG, e.g. one per extra
+# vSkipper Table 6 / 7 target (workflows/vskipper.smk); written beside it, the same way.
+EXTRA_CONFIGS = {}
 
 
 onstart:
-    _text = json.dumps(CFG, indent=2, sort_keys=True)
-    _eff = Path(EFFECTIVE_CONFIG)
-    if not _eff.is_file() or _eff.read_text() != _text:
-        _eff.parent.mkdir(parents=True, exist_ok=True)
-        _tmp = _eff.with_suffix(f".{os.getpid()}.tmp")
-        _tmp.write_text(_text)
-        _tmp.replace(_eff)
+    for _path, _cfg in {EFFECTIVE_CONFIG: CFG, **EXTRA_CONFIGS}.items():
+        _text = json.dumps(_cfg, indent=2, sort_keys=True)
+        _eff = Path(_path)
+        if not _eff.is_file() or _eff.read_text() != _text:
+            _eff.parent.mkdir(parents=True, exist_ok=True)
+            _tmp = _eff.with_suffix(f".{os.getpid()}.tmp")
+            _tmp.write_text(_text)
+            _tmp.replace(_eff)
 
 
 def sig(*keys, **extra):

@@ -300,6 +300,196 @@ if VSK:
         shell:
             "python -m impl vskipper-figures --tables-dir {params.tables} --out-dir {params.out} 2> {log}"
 
-    VSK_REPORT_INPUTS = rules.vskipper_tables.output + rules.vskipper_figures.output + VSK_QUALITY + VSK_QUALITY_SERVED
+    # ---- Table 6 (cross-model) and Table 7 (hardware transfer), Sec. 4.4 ----
+    # Extra targets re-run the main rules' commands (use rule ... with:) on their own effective config
+    # (impl.serving.schema.target_config: vskipper.model = the extra model, or device/threads = the device
+    # entry's; written beside EFFECTIVE_CONFIG when execution starts). Outputs go to
+    # {VSK_DIR}/models/{model}/... and {VSK_DIR}/devices/{name}/...; nothing of the main run moves or re-runs.
+    # Per extra model: FlexiDepth skipper ({MODELS}/{model}-flexidepth), thresholds, knee on
+    # cross_model.workload, a matched-lane cell at cross_model.point and (with vskipper.quality on that
+    # workload) the quality 2x2 of that suite for the served accuracy. Per device: thresholds, knee and the
+    # matched-lane cell of vskipper.model, its jobs carrying the entry's `resources` (SLURM partition, gres).
+    from impl.serving.schema import target_config, transfer_settings
+    from impl.serving.targets import device_resources, target_args, target_files, target_sig, transfer_targets
+
+    VSK_X = transfer_settings(VSK)
+    VSK_XW, VSK_XP = VSK_X["workload"], VSK_X["point"]
+    VSK_XMODELS = list(VSK_X["models"])
+    VSK_DEVICES = {d["name"]: d for d in VSK_X["devices"]}
+    VSK_TCFG = {**{("models", m): target_config(CFG, model=m) for m in VSK_XMODELS},
+                **{("devices", d): target_config(CFG, device=d) for d in VSK_DEVICES}}
+    vsk_tcfg_path = lambda kind, name: f"{RESULTS}/.config/vskipper/{kind}/{name}.json"  # noqa: E731
+    EXTRA_CONFIGS.update({vsk_tcfg_path(k, n): c for (k, n), c in VSK_TCFG.items()})
+    VSK_XQUALITY = bool(VSK_QUALITY) and VSK_XW in VSK_Q["tasks"]
+    # sig() of an extra target's effective config (impl.serving.targets.target_sig): top-level keys, vskipper keys
+    vsk_tsig = lambda kind, top, keys: lambda w: target_sig(  # noqa: E731
+        VSK_TCFG[(kind, w.vsk_xmodel if kind == "models" else w.vsk_device)], top, keys)
+    VSK_TIMED_TOP = ("seed", "threads", "device", "dtype")
+
+    if VSK_XMODELS:
+        VSK_XM = f"{VSK_DIR}/models/{{vsk_xmodel}}"
+
+        wildcard_constraints:
+            vsk_xmodel="|".join(map(re.escape, VSK_XMODELS)),
+
+        vsk_xm_cfg = lambda w: vsk_tcfg_path("models", w.vsk_xmodel)  # noqa: E731
+        vsk_xm_dir = lambda w: str(model_dir(CFG, w.vsk_xmodel))  # noqa: E731
+        VSK_XM_CKPT = f"{MODELS}/{{vsk_xmodel}}-flexidepth"
+        VSK_XM_PROMPTS = f"{RESULTS}/workloads/{{vsk_xmodel}}/{{suite}}.jsonl"
+
+        use rule vskipper_train_flexidepth as vskipper_model_train_flexidepth with:
+            input:
+                model=vsk_xm_dir,
+            output:
+                ckpt=directory(VSK_XM_CKPT),
+                summary=f"{VSK_XM}/flexidepth.json",
+            params:
+                cfg=vsk_xm_cfg,
+                sig=vsk_tsig("models", ("data_dir", "seed", "device", "dtype"), ("model", "flexidepth")),
+            log:
+                f"{LOGS}/vskipper/models/{{vsk_xmodel}}/train_flexidepth.log",
+
+        use rule vskipper_profile as vskipper_model_profile with:
+            input:
+                model=vsk_xm_dir,
+                ckpt=VSK_XM_CKPT,
+                prompts=f"{RESULTS}/workloads/{{vsk_xmodel}}/{VSK_W0}.jsonl",
+            output:
+                f"{VSK_XM}/thresholds/{{vsk_policy}}.json",
+            params:
+                cfg=vsk_xm_cfg,
+                sig=vsk_tsig("models", VSK_TIMED_TOP, ("model", "profile", "engine", "max_new_tokens", "randomskip")),
+            log:
+                f"{LOGS}/vskipper/models/{{vsk_xmodel}}/profile_{{vsk_policy}}.log",
+
+        use rule vskipper_knee as vskipper_model_knee with:
+            input:
+                model=vsk_xm_dir,
+                prompts=VSK_XM_PROMPTS,
+            output:
+                f"{VSK_XM}/knee/{{suite}}.json",
+            params:
+                cfg=vsk_xm_cfg,
+                sig=vsk_tsig("models", VSK_TIMED_TOP, ("model", "knee", "engine", "requests", "max_new_tokens",
+                                                       "load_points", "timeout_s")),
+            log:
+                f"{LOGS}/vskipper/models/{{vsk_xmodel}}/knee_{{suite}}.log",
+
+        use rule vskipper_cell as vskipper_model_cell with:
+            input:
+                model=vsk_xm_dir,
+                ckpt=VSK_XM_CKPT,
+                thresholds=f"{VSK_XM}/thresholds/flexidepth.json",
+                knee=f"{VSK_XM}/knee/{{suite}}.json",
+                prompts=VSK_XM_PROMPTS,
+            output:
+                f"{VSK_XM}/cells/{{suite}}/{{vsk_point}}.jsonl",
+            params:
+                cfg=vsk_xm_cfg,
+                args=lambda w: f"--point {w.vsk_point} --lanes matched --experiment cross-model",
+                sig=vsk_tsig("models", VSK_TIMED_TOP, ("model", "engine", "requests", "max_new_tokens", "repetitions",
+                                                       "timeout_s")),
+            log:
+                f"{LOGS}/vskipper/models/{{vsk_xmodel}}/cells/{{suite}}/{{vsk_point}}.log",
+
+        if VSK_XQUALITY:
+
+            use rule vskipper_quality as vskipper_model_quality with:
+                input:
+                    model=vsk_xm_dir,
+                    ckpt=VSK_XM_CKPT,
+                output:
+                    rows=f"{VSK_XM}/quality/{{qsuite}}.jsonl",
+                    summary=f"{VSK_XM}/quality/{{qsuite}}.json",
+                    requests=f"{VSK_XM}/quality/{{qsuite}}_requests.jsonl",
+                    work=directory(f"{VSK_XM}/quality/{{qsuite}}_run"),
+                params:
+                    cfg=vsk_xm_cfg,
+                    sig=vsk_tsig("models", ("data_dir", "seed", "threads", "device", "dtype"),
+                                 ("model", "engine", "quality")),
+                log:
+                    f"{LOGS}/vskipper/models/{{vsk_xmodel}}/quality_{{qsuite}}.log",
+
+    if VSK_DEVICES:
+        VSK_XD = f"{VSK_DIR}/devices/{{vsk_device}}"
+
+        wildcard_constraints:
+            vsk_device="|".join(map(re.escape, VSK_DEVICES)),
+
+        vsk_xd_cfg = lambda w: vsk_tcfg_path("devices", w.vsk_device)  # noqa: E731
+        # a timed job holds the cores its torch threads use (and never fewer than the main timed jobs)
+        vsk_xd_threads = lambda w: max(VSK_TIMED_THREADS, VSK_DEVICES[w.vsk_device]["threads"])  # noqa: E731
+        # Snakemake resources of a device job: its entry's `resources` (None = unset: the profile's default),
+        # mem_mb / runtime defaulting to the main rule's
+        vsk_xd_resources = lambda **defaults: {  # noqa: E731
+            k: (lambda w, t=t: t[w.vsk_device]) for k, t in device_resources(VSK_DEVICES, **defaults).items()}
+
+        use rule vskipper_profile as vskipper_device_profile with:
+            output:
+                f"{VSK_XD}/thresholds/{{vsk_policy}}.json",
+            params:
+                cfg=vsk_xd_cfg,
+                sig=vsk_tsig("devices", VSK_TIMED_TOP, ("model", "profile", "engine", "max_new_tokens", "randomskip")),
+            threads: vsk_xd_threads
+            log:
+                f"{LOGS}/vskipper/devices/{{vsk_device}}/profile_{{vsk_policy}}.log",
+            resources:
+                **vsk_xd_resources(mem_mb=8000, runtime=60),
+
+        use rule vskipper_knee as vskipper_device_knee with:
+            output:
+                f"{VSK_XD}/knee/{{suite}}.json",
+            params:
+                cfg=vsk_xd_cfg,
+                sig=vsk_tsig("devices", VSK_TIMED_TOP, ("model", "knee", "engine", "requests", "max_new_tokens",
+                                                        "load_points", "timeout_s")),
+            threads: vsk_xd_threads
+            log:
+                f"{LOGS}/vskipper/devices/{{vsk_device}}/knee_{{suite}}.log",
+            resources:
+                **vsk_xd_resources(mem_mb=8000, runtime=120),
+
+        use rule vskipper_cell as vskipper_device_cell with:
+            input:
+                **{**VSK_CELL_INPUTS, "thresholds": f"{VSK_XD}/thresholds/flexidepth.json",
+                   "knee": f"{VSK_XD}/knee/{{suite}}.json"},
+            output:
+                f"{VSK_XD}/cells/{{suite}}/{{vsk_point}}.jsonl",
+            params:
+                cfg=vsk_xd_cfg,
+                args=lambda w: f"--point {w.vsk_point} --lanes matched --experiment transfer",
+                sig=vsk_tsig("devices", VSK_TIMED_TOP, ("model", "engine", "requests", "max_new_tokens", "repetitions",
+                                                        "timeout_s")),
+            threads: vsk_xd_threads
+            log:
+                f"{LOGS}/vskipper/devices/{{vsk_device}}/cells/{{suite}}/{{vsk_point}}.log",
+            resources:
+                **vsk_xd_resources(mem_mb=8000, runtime=240),
+
+
+    VSK_T6, VSK_T7 = transfer_targets(VSK_DIR, VSK_MODEL, VSK_XMODELS, VSK_DEVICES, VSK_XW, VSK_XP, VSK_XQUALITY)
+    VSK_TRANSFER = expand(f"{VSK_TABLES}/{{name}}.{{ext}}", ext=["csv", "md"],
+                          name=(["vskipper_table6"] if VSK_T6 else []) + (["vskipper_table7"] if VSK_T7 else []))
+
+    if VSK_TRANSFER:
+
+        rule vskipper_transfer_tables:
+            conda:
+                "../env.yaml"
+            input:
+                table6=target_files(VSK_T6),
+                table7=target_files(VSK_T7),
+            output:
+                VSK_TRANSFER,
+            params:
+                args=target_args(VSK_T6, VSK_T7),
+                out=lambda w, output: os.path.dirname(output[0]),
+            log:
+                f"{LOGS}/vskipper/transfer_tables.log",
+            shell:
+                "python -m impl vskipper-transfer-tables {params.args} --out-dir {params.out} 2> {log}"
+
+    VSK_REPORT_INPUTS = (rules.vskipper_tables.output + rules.vskipper_figures.output + VSK_QUALITY
+                         + VSK_QUALITY_SERVED + VSK_TRANSFER)
     REPORT_EXTRA += VSK_REPORT_INPUTS
     REPORT_SECTIONS.append(f"impl.serving.report:{VSK_TABLES}")

@@ -42,6 +42,8 @@ Pipeline (one rule per command in ``workflows/vskipper.smk``):
    mismatch becomes one ``kind: "rejected"`` row.
 8. ``vskipper-tables`` / ``vskipper-figures``: tables and figures from the raw rows
    (:mod:`impl.serving.report`).
+9. ``vskipper-transfer-tables``: Table 6 (cross-model) and Table 7 (hardware transfer) shapes from the raw
+   files of the main run and of the extra targets (:mod:`impl.serving.transfer`; Sec. 4.4).
 """
 
 from __future__ import annotations
@@ -692,6 +694,37 @@ def cmd_vskipper_tables(args) -> None:
     log.info("vSkipper tables -> %s", args.out_dir)
 
 
+def _target_specs(specs, flag: str) -> list[dict]:
+    """``--model`` / ``--device`` arguments (``KEY=VALUE`` words per occurrence) -> target mappings."""
+    out = []
+    for words in specs or []:
+        t = {}
+        for w in words:
+            k, sep, val = w.partition("=")
+            if not sep or not val:
+                raise SystemExit(f"error: {flag} takes KEY=VALUE words, got {w!r}")
+            t[k] = val
+        missing = [k for k in ("name", "knee", "cell", "thresholds") if k not in t]
+        if missing:
+            raise SystemExit(f"error: {flag} {' '.join(words)}: missing {', '.join(missing)}")
+        out.append(t)
+    return out
+
+
+def cmd_vskipper_transfer_tables(args) -> None:
+    """Table 6 (cross-model) and Table 7 (hardware transfer) shapes (Sec. 4.4) from the raw files."""
+    from impl.report.tables import write_table
+
+    from .transfer import transfer_tables
+
+    models, devices = _target_specs(args.model, "--model"), _target_specs(args.device, "--device")
+    if not (models or devices):
+        raise SystemExit("error: give at least one --model or --device target")
+    for name, df in transfer_tables(models, devices).items():
+        write_table(df, Path(args.out_dir) / name)
+    log.info("vSkipper Tables 6 / 7 -> %s", args.out_dir)
+
+
 def cmd_vskipper_figures(args) -> None:
     """vSkipper figures (Fig. 3 RandomSkip map, knee sweeps) from the tables."""
     from .report import vskipper_figures
@@ -794,6 +827,17 @@ def register(add) -> None:
                     help="quality-cell JSONL files (given, even empty: also write vskipper_table5 / _first_token)")
     sp.add_argument("--quality-served", nargs="*", default=None,
                     help="quality-served JSONL files (given, even empty: also write vskipper_table5_served)")
+    sp.add_argument("--out-dir", required=True)
+
+    sp = add("vskipper-transfer-tables", cmd_vskipper_transfer_tables,
+             "vSkipper Table 6 (cross-model) / Table 7 (hardware transfer) shapes from the raw rows (Sec. 4.4)")
+    spec = ("KEY=VALUE words: name=, role=main|extra, knee= (knee JSON), cell= (serve-cell JSONL at the point), "
+            "thresholds= (profile-mode JSON)")
+    sp.add_argument("--model", nargs="+", action="append", metavar="KEY=VALUE",
+                    help=f"one Table 6 row (repeat; main first): {spec}, flexidepth= (training summary), "
+                         "quality= (quality-cell JSONL of the workload)")
+    sp.add_argument("--device", nargs="+", action="append", metavar="KEY=VALUE",
+                    help=f"one Table 7 row (repeat; main first): {spec}")
     sp.add_argument("--out-dir", required=True)
 
     sp = add("vskipper-figures", cmd_vskipper_figures, "vSkipper figures (Fig. 3 map, knee sweeps) from the tables")

@@ -40,6 +40,9 @@ Tables (``<name>.csv`` and ``<name>.md``):
   its t-based 95 % interval, and the share of decode rows each arm served in routed mode
   (``routed`` = hybrid / always-route), the rate and whose knee it came from; a rejected or skipped
   suite gets one row with its status.
+
+``vskipper_table6`` / ``vskipper_table7`` (Sec. 4.4: cross-model, hardware transfer) are written by their
+own rule from :mod:`impl.serving.transfer`; :func:`report_section` adds their subsection when present.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
+
+from .transfer import transfer_section_lines
 
 __all__ = [
     "TABLE_NAMES",
@@ -813,11 +818,12 @@ def quality_served_section_lines(tables_dir: str | Path) -> list[str]:
 def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | Path) -> list[str]:
     """Markdown lines of the vSkipper section of REPORT.md: checks (matched-work gate, knee bracketed),
     the FlexiDepth skipper, the thresholds and their rule, the knee, the Table 2 / 4 / 3 shapes, the
-    RandomSkip map (Fig. 3 shape) and the routed-row shares, with links to every table and figure."""
+    RandomSkip map (Fig. 3 shape), the routed-row shares, the quality tables and the Table 6 / 7 shapes
+    (:func:`impl.serving.transfer.transfer_section_lines`), with links to every table and figure."""
     td, fd, base = Path(tables_dir), Path(figures_dir), Path(base)
     rel = lambda p: os.path.relpath(p, base).replace(os.sep, "/")  # noqa: E731
     t = {n: _read(td, n) for n in TABLE_NAMES}
-    lines = ["## vSkipper: serving on tiny models (Sec. 4 shapes: Tables 2-5, Table 3 ablation, Fig. 3)", "",
+    lines = ["## vSkipper: serving on tiny models (Sec. 4 shapes: Tables 2-7, Table 3 ablation, Fig. 3)", "",
              "Arms run in process on transformers' continuous-batching engine (CPU, one engine thread): **upstream** "
              "is the unmodified engine serving the base model; **vskipper** is the same engine with the trained "
              "FlexiDepth-style skipper bound and the profitability-aware mode switch (rule-derived thresholds). "
@@ -926,5 +932,6 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
         lines += [f"![Knee sweep]({rel(p)})", ""]
     lines += quality_section_lines(td)
     lines += quality_served_section_lines(td)
+    lines += transfer_section_lines(td, base)
     lines += ["Tables: " + ", ".join(f"[{p.stem}]({rel(p)})" for p in sorted(td.glob("vskipper_*.csv"))), ""]
     return lines

@@ -63,6 +63,22 @@ Keys (units in brackets):
   itself when it is a load workload, else the first load workload - the tiny default sweeps only
   GSM8K) and ``requests`` (requests in the stream, padded with the knee workload's frozen prompts at
   ``max_new_tokens``, not scored; null = ``vskipper.requests``; 0 = the scored documents only).
+- ``cross_model`` (optional; absent or ``models: []`` = no cross-model rules, no Table 6): the Table 6
+  shape (Sec. 4.4): ``models`` (keys of ``models`` other than ``vskipper.model``, which contributes its row
+  from the main outputs), each getting its own FlexiDepth skipper (``{models_dir}/{model}-flexidepth``), its
+  own rule-derived thresholds, its own knee on ``workload`` and a matched-lane cell at ``point`` (a label of
+  ``load_points``); ``workload`` (one of ``vskipper.workloads``, default gsm8k); ``repetitions`` (null =
+  ``vskipper.repetitions``; paper: 3 for the Qwen3 rows). Served accuracy (base served vs skipper served,
+  arms C and D of the quality 2x2) needs ``vskipper.quality`` with ``workload`` among its tasks.
+- ``devices`` (optional; absent or ``[]`` = no transfer rules, no Table 7): the Table 7 shape (Sec. 4.4,
+  hardware transfer): a list of ``{name, device, threads, repetitions?, resources?}``; each entry re-runs
+  the thresholds profile, the knee on ``cross_model.workload`` and a matched-lane cell at
+  ``cross_model.point`` for ``vskipper.model`` with that ``device`` (as the top-level key: ``cpu``,
+  ``cuda``, ``cuda:N``) and ``threads`` (torch intra-op threads), against upstream on the same device.
+  ``name`` (unique, ``[A-Za-z0-9][A-Za-z0-9_.-]*``) names the output folder; ``repetitions`` (null =
+  ``vskipper.repetitions``); ``resources``: Snakemake resources of that device's jobs (e.g.
+  ``slurm_partition``, ``gres``, ``constraint``, ``mem_mb``, ``runtime``) so a cluster profile routes them
+  to that hardware. :func:`target_config` derives each extra target's effective config.
 """
 
 from __future__ import annotations
@@ -70,7 +86,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["SECTION", "DEFAULTS", "DEFAULT_LOAD_POINTS", "ABLATION_ARMS", "QUALITY_TASKS", "QUALITY_DEFAULTS",
-           "SERVED_DEFAULTS", "served_knee_workload", "check"]
+           "SERVED_DEFAULTS", "CROSS_DEFAULTS", "served_knee_workload", "transfer_settings", "target_config", "check"]
 
 #: ablation arm names (a subset of :data:`impl.vskipper.mode.ABLATIONS`; no torch import here)
 ABLATION_ARMS = ("prefill-only", "decode-only", "no-promotion", "always-route")
@@ -95,6 +111,10 @@ QUALITY_DEFAULTS: dict[str, Any] = {
 #: defaults of ``vskipper.quality.served`` (the served-at-knee pass, Table 5 right), merged under a given
 #: mapping; ``served: null`` turns the pass off
 SERVED_DEFAULTS: dict[str, Any] = {"point": "knee", "workload": None, "requests": None}
+#: defaults of ``vskipper.cross_model`` (Table 6), merged under a given mapping by :func:`check`; the
+#: workload and load point also set where the Table 7 device targets are measured
+CROSS_DEFAULTS: dict[str, Any] = {"models": [], "workload": "gsm8k", "point": "knee", "repetitions": None}
+_NAME = "^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # model / device names: safe as one path component
 _LANES = ("matched", "natural")
 
 _POS_INT = {"type": "integer", "minimum": 1}
@@ -195,6 +215,23 @@ SECTION: dict[str, Any] = {
                 "requests": {"type": ["integer", "null"], "minimum": 0},
             }), "type": ["object", "null"]},
         }, required=("tasks",)),
+        # Table 6 (cross-model) and Table 7 (hardware transfer), Sec. 4.4
+        "cross_model": _obj({
+            "models": {"type": "array", "uniqueItems": True, "items": {"type": "string", "pattern": _NAME},
+                       "description": "models besides vskipper.model (keys of models)"},
+            "workload": {"enum": _SUITES},
+            "point": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_]*$"},
+            "repetitions": {"oneOf": [{"type": "null"}, _POS_INT]},
+        }),
+        "devices": {"type": "array", "items": _obj({
+            "name": {"type": "string", "pattern": _NAME},
+            "device": {"type": "string", "pattern": "^(cpu|cuda(:[0-9]+)?)$"},
+            "threads": {**_POS_INT, "description": "torch intra-op threads of this device's jobs"},
+            "repetitions": {"oneOf": [{"type": "null"}, _POS_INT]},
+            "resources": {"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                          "additionalProperties": {"type": ["string", "integer"]},
+                          "description": "Snakemake resources of this device's jobs (slurm_partition, gres, ...)"},
+        }, required=("name", "device", "threads"))},
     }),
     "description": "vSkipper serving experiments (Sec. 4: knee, matched-work cells, ablations, RandomSkip map); "
                    "absent = no vSkipper rules",
@@ -282,13 +319,103 @@ def served_knee_workload(v: dict[str, Any], suite: str) -> str:
     return suite if suite in v["workloads"] else v["workloads"][0]
 
 
+def transfer_settings(v: dict[str, Any]) -> dict[str, Any]:
+    """The Table 6 / Table 7 targets of a validated ``vskipper`` section: ``{"models": [...], "devices":
+    [...], "workload", "point", "repetitions"}`` (``vskipper.cross_model`` over :data:`CROSS_DEFAULTS`;
+    ``devices`` = ``vskipper.devices`` or ``[]``). Empty lists mean no extra rules (vSkipper Sec. 4.4)."""
+    return {**CROSS_DEFAULTS, **(v.get("cross_model") or {}), "devices": list(v.get("devices") or [])}
+
+
+def _check_transfer(cfg: dict[str, Any], v: dict[str, Any]) -> None:
+    """Fill in :data:`CROSS_DEFAULTS` under a given ``vskipper.cross_model`` and check the Table 6 / 7 keys."""
+    if v.get("cross_model") is not None:
+        v["cross_model"] = {**CROSS_DEFAULTS, **v["cross_model"]}
+    x = transfer_settings(v)
+    for i, m in enumerate(x["models"]):
+        if m not in cfg["models"]:
+            raise _error(f"'vskipper.cross_model.models[{i}]' names '{m}', which is not a key of 'models' "
+                         f"({', '.join(cfg['models'])})")
+        if m == v["model"]:
+            raise _error(f"'vskipper.cross_model.models[{i}]' = '{m}' is 'vskipper.model' (its row comes from the "
+                         "main outputs); list only the other models")
+    seen: dict[str, int] = {}
+    for i, d in enumerate(x["devices"]):
+        if d["name"] in seen:
+            raise _error(f"'vskipper.devices[{i}].name' = '{d['name']}' repeats 'vskipper.devices[{seen[d['name']]}]"
+                         ".name' (device names must be unique: they name the output folders)")
+        seen[d["name"]] = i
+    if not (x["models"] or x["devices"]):
+        return
+    used = "'vskipper.cross_model.models'" if x["models"] else "'vskipper.devices'"
+    if x["workload"] not in v["workloads"]:
+        raise _error(f"'vskipper.cross_model.workload' = '{x['workload']}' is not one of 'vskipper.workloads' "
+                     f"({', '.join(v['workloads'])}): the main model's row of {used} comes from its cells")
+    if x["point"] not in v["load_points"]:
+        raise _error(f"'vskipper.cross_model.point' = '{x['point']}' is not a label of 'vskipper.load_points' "
+                     f"({', '.join(v['load_points'])})")
+
+
+def target_config(cfg: dict[str, Any], *, model: str | None = None, device: str | None = None) -> dict[str, Any]:
+    """The effective config of one extra Table 6 / Table 7 target (vSkipper Sec. 4.4), handed to the
+    same commands as the main run (``--config-json``).
+
+    Args:
+        cfg: the validated whole config (``vskipper`` present).
+        model: a name of ``vskipper.cross_model.models``: ``vskipper.model`` becomes it,
+            ``vskipper.repetitions`` becomes ``cross_model.repetitions`` (when set) and the quality
+            section keeps only ``cross_model.workload`` (dropped when that is not one of its tasks; no
+            served-at-knee pass).
+        device: a ``vskipper.devices[].name``: the top-level ``device`` and ``threads`` become that
+            entry's; ``vskipper.repetitions`` becomes its ``repetitions`` (when set).
+
+    Returns:
+        a new validated config (``cross_model`` and ``devices`` removed, so the target is a plain single-model,
+        single-device run); ``cfg`` is not modified.
+
+    Raises:
+        KeyError: naming the model / device when it is not one of the targets.
+        impl.config.ConfigError: when the derived config does not validate.
+    """
+    import copy
+
+    from impl.config import validate_config
+
+    out = copy.deepcopy(cfg)
+    v = out["vskipper"]
+    x = transfer_settings(v)
+    if model is not None:
+        if model not in x["models"]:
+            raise KeyError(f"{model!r} is not in vskipper.cross_model.models ({', '.join(x['models'])})")
+        v["model"] = model
+        if x["repetitions"]:
+            v["repetitions"] = x["repetitions"]
+        q = v.get("quality")
+        if q is not None:
+            if x["workload"] in q["tasks"]:
+                v["quality"] = {**q, "tasks": [x["workload"]], "served": None}
+            else:
+                del v["quality"]
+    if device is not None:
+        dev = {d["name"]: d for d in x["devices"]}
+        if device not in dev:
+            raise KeyError(f"{device!r} is not a vskipper.devices name ({', '.join(dev)})")
+        out["device"], out["threads"] = dev[device]["device"], dev[device]["threads"]
+        if dev[device].get("repetitions"):
+            v["repetitions"] = dev[device]["repetitions"]
+    v.pop("cross_model", None)
+    v.pop("devices", None)
+    return validate_config(out, check_paths=False)
+
+
 def check(cfg: dict[str, Any]) -> None:
     """Cross-checks of the merged ``vskipper`` section against the whole config.
 
     Fills in ``vskipper.load_points`` (:data:`DEFAULT_LOAD_POINTS`) when absent. Checks:
     ``vskipper.model`` is a key of ``models``; ``vskipper.workloads[i]`` are keys of
     ``workloads``; ``vskipper.randomskip.point`` is a label of ``vskipper.load_points`` (when the map
-    runs); ``vskipper.randomskip.r`` and ``d`` are both empty or both non-empty; for tiny models,
+    runs); ``vskipper.randomskip.r`` and ``d`` are both empty or both non-empty; the Table 6 / 7 keys
+    (``vskipper.cross_model.models[i]`` are other keys of ``models``, ``vskipper.devices[i].name`` are unique,
+    ``cross_model.workload`` / ``point`` name a load workload / load point when a target is given); for tiny models,
     ``vskipper.flexidepth.routed_layers`` lie in ``[0, tiny_arch.num_layers)``, and the longest request
     (``max_prompt_tokens + vskipper.max_new_tokens``) and ``vskipper.profile.decode_context + 1`` fit the
     context.
@@ -306,6 +433,7 @@ def check(cfg: dict[str, Any]) -> None:
     for i, w in enumerate(v["workloads"]):
         if w not in cfg["workloads"]:
             raise _error(f"'vskipper.workloads[{i}]' names '{w}', which is not a key of 'workloads'")
+    _check_transfer(cfg, v)
     rs = v["randomskip"]
     if bool(rs["r"]) != bool(rs["d"]):
         raise _error("'vskipper.randomskip.r' and 'vskipper.randomskip.d' must both be empty (no map) "

@@ -22,7 +22,7 @@ Plans are read-only; :meth:`impl.tev.tree.DraftTree.plan` caches one per tree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,9 +51,18 @@ class TreePlan:
     children: list[list[int]]
     child_tokens: list[np.ndarray]
     child_map: dict[tuple[int, int], int]
+    _flat: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return len(self.parents)
+
+    def edge_flat(self, v_size: int) -> np.ndarray:
+        """int64 ``[N - 1]`` flat indices ``pa(u) * V + x_u`` of the edges in a C-contiguous ``[N, V]``
+        row matrix (one ``take`` gathers the edge probabilities); computed once per V and cached."""
+        flat = self._flat.get(v_size)
+        if flat is None:
+            flat = self._flat[v_size] = self.edge_parents * v_size + self.edge_tokens
+        return flat
 
 
 def tree_plan(parents: IntSeq, tokens: IntSeq) -> TreePlan:

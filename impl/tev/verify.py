@@ -418,7 +418,7 @@ def _search_cdf(c: np.ndarray, u: float) -> int:
     uniform: the index i with c[i-1] <= u c[-1] < c[i] (so its weight is positive), as
     :func:`_inverse_cdf`."""
     total = float(c[-1])
-    i = int(np.searchsorted(c, u * total, side="right"))
+    i = int(c.searchsorted(u * total, "right"))
     if i >= len(c):  # u * total rounded up to the total, or a zero / non-finite total
         if not 0 < total < float("inf"):
             raise ValueError(f"cannot sample from weights with total {total}")

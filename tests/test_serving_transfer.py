@@ -216,10 +216,23 @@ def test_command_and_report_lines(tmp_path):
     text = "\n".join(transfer_section_lines(out, tmp_path))
     assert "Table 6 shape" in text and "Table 7 shape" in text and "(tables/vskipper_table6.csv)" in text
     assert "CPU configurations of this one machine" in text and "cpu-2t (cpu, 2 thread(s)" in text
+    assert "Table 7: every row's own knee sweep brackets Q*: **" in text
     bad = subprocess.run([sys.executable, "-m", "impl", "vskipper-transfer-tables", "--model", "name=x",
                           "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "missing knee, cell, thresholds" in bad.stderr
     assert transfer_section_lines(tmp_path / "none", tmp_path) == []
+
+
+def test_knee_check_flags_unbracketed_rows():
+    import pandas as pd
+
+    from impl.serving.transfer import _knee_check
+
+    ok = _knee_check(pd.DataFrame({"model": ["a", "b"], "knee_status": ["ok", "ok"]}), "model", "Table 6")
+    assert ok.endswith("**PASS**")
+    bad = _knee_check(pd.DataFrame({"device_name": ["main", "cpu-2t"], "knee_status": ["ok", "bottom"]}),
+                      "device_name", "Table 7")
+    assert "**FAIL**" in bad and "cpu-2t: bottom" in bad and "main" not in bad.split("unbracketed")[1]
 
 
 # ------------------------------------------------------------------------------------------- the DAG

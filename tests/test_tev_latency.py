@@ -222,6 +222,8 @@ def test_verifiers_refuse_a_plan_of_another_tree():
     other = _random_tree(g, 12, 10, 4)
     probs = _rows(g, t, 10, "soft")
     for f in (predraw_follow, sequential_residual, tev):
+        with pytest.raises(ValueError, match="TreePlan"):
+            f(t.parents, t.tokens, probs, torch.Generator().manual_seed(0), plan="x")
         with pytest.raises(ValueError, match="plan"):
             f(t.parents, t.tokens, probs, torch.Generator().manual_seed(0), plan=tree_plan([-1, 0], [1, 2]))
         if other.parents != t.parents or other.tokens != t.tokens:
@@ -678,6 +680,16 @@ def test_commit_in_any_grad_mode(tiny_model, build_mode, commit_mode):
     with modes[build_mode](), torch.no_grad():
         tiny_model(input_ids=torch.tensor([[7]]), cache=cache, use_cache=True)
     assert cache.get_seq_length() == len(prefix) + 4
+
+
+def test_report_latency_without_target_budgets_says_so():
+    import pandas as pd
+
+    from impl.tev.report import _latency_verdicts
+
+    lines = _latency_verdicts(pd.DataFrame([{"budget": 8, "verifier": "tev", "median_us": 1.0}]))
+    assert len(lines) == 1 and "B = 64 and 128" in lines[0] and "(8)" in lines[0]
+    assert "PASS" not in lines[0] and "FAIL" not in lines[0]
 
 
 def test_report_tau_agreement():

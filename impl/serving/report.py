@@ -831,7 +831,7 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
              "mean with a t-based 95% interval, `*` = resolved (interval excludes 0), n printed; one repetition is "
              "never resolved. Latency: negative is better; TPS/RPS: positive is better. These are timings on a "
              "shared CPU: on CPU, decode is bound by reading weights and by the packed attention, so row skipping "
-             "pays mostly in prefill (DESIGN.md), and small cells are noisy.", ""]
+             "pays mostly in prefill (the per-step timing section), and small cells are noisy.", ""]
     gate, ksum = t["vskipper_gate"], t["vskipper_knee_summary"]
     if "status" not in gate:
         gate = pd.DataFrame(columns=["experiment", "workload", "point", "lane", "status"])

@@ -243,6 +243,16 @@ def _md(df: pd.DataFrame) -> str:
     return df.to_markdown(index=False, floatfmt=".3g")
 
 
+def _knee_check(df: pd.DataFrame, name_col: str, what: str) -> str:
+    """The check line saying whether every row's own knee sweep bracketed Q* (``knee_status == "ok"``);
+    an unbracketed row ran at the load point of a boundary rung, so its change is not at its knee."""
+    st = df["knee_status"].astype(str) if "knee_status" in df.columns else pd.Series([], dtype=str)
+    bad = [f"{r[name_col]}: {r['knee_status']}" for _, r in df[st != "ok"].iterrows()] if len(st) else []
+    return (f"- {what}: every row's own knee sweep brackets Q*: **{'PASS' if not bad else 'FAIL'}**"
+            + (f" (unbracketed: {', '.join(bad)}; the row ran at a boundary rung, not at its knee: extend "
+               "`vskipper.knee.rates`)" if bad else ""))
+
+
 def transfer_section_lines(tables_dir: str | Path, base: str | Path) -> list[str]:
     """REPORT.md lines of Table 6 and Table 7 (``[]`` when neither table exists in ``tables_dir``); links are
     relative to ``base`` (the report's folder)."""
@@ -273,6 +283,7 @@ def transfer_section_lines(tables_dir: str | Path, base: str | Path) -> list[str
             if len(bad):
                 lines.append("- not measured: " + "; ".join(f"{r.model}: {r.status} ({r.message})"
                                                             for r in bad.itertuples()))
+            lines.append(_knee_check(ok, "model", "Table 6"))
             lines.append("")
     if t7 is not None:
         cpu_only = len(t7) and t7["device"].astype(str).eq("cpu").all()
@@ -293,5 +304,6 @@ def transfer_section_lines(tables_dir: str | Path, base: str | Path) -> list[str
                              f"{r['device_name']} ({r['device']}, {r['threads']} thread(s), Q* "
                              f"{float(r['q_star_used']):.3g} req/s): {r['E2E mean']} (n = {r['n']})"
                              for _, r in t7.iterrows()) + ".")
+            lines.append(_knee_check(t7[t7["status"] == "ok"], "device_name", "Table 7"))
             lines.append("")
     return lines

@@ -137,6 +137,10 @@ def _latency_verdicts(lat: pd.DataFrame) -> list[str]:
     the median over trees of the per-tree ratio (``ratio_median``), and the ratio of the medians is
     shown alongside; against another predraw flavour only the ratio of the medians exists."""
     out = []
+    have = sorted(int(b) for b in lat["budget"].unique()) if "budget" in lat.columns else []
+    if not any(b in have for b, _ in LATENCY_TARGETS):
+        return [f"- latency targets are set at B = {' and '.join(str(b) for b, _ in LATENCY_TARGETS)}; this run's "
+                f"budgets ({', '.join(map(str, have)) or 'none'}) have none, so no latency target is checked"]
     for b, lim in LATENCY_TARGETS:
         sub = lat[lat.budget == b].set_index("verifier")
         if "tev" not in sub.index:

@@ -127,6 +127,8 @@ def _plan(parents: IntSeq, tokens: IntSeq, probs: torch.Tensor, atol: float, val
     With ``validate`` the tree and rows are checked (:func:`_checked`) and a given plan must describe
     the same tree; without it a given plan is trusted (only its size is compared) and a missing one
     is built (:func:`impl.tev.plan.tree_plan`, which validates the tree)."""
+    if plan is not None and not isinstance(plan, TreePlan):
+        raise ValueError(f"plan must be an impl.tev.plan.TreePlan (tree.plan()), got {type(plan).__name__}")
     row_sums = None
     if validate:
         par, tok, s = _checked(parents, tokens, probs, atol)

@@ -159,6 +159,17 @@ def _recheck(rho: np.ndarray, plan: TreePlan, probs: torch.Tensor) -> None:
         rho[v] = float(row.sum()) / total
 
 
+def _prefix_and_rho(plan: TreePlan, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """P (Eq. 2: one ``take`` of the ancestor table, one product over its D rows) and the unchecked
+    rho = 1 - sum over children of q (Eq. 4: one scatter-add), float64 ``[N]`` each."""
+    n = len(plan)
+    if n == 1:  # root only: it is the exit node
+        return np.ones(1), np.ones(1)
+    rho = np.bincount(plan.edge_parents, weights=e[1:], minlength=n)
+    np.subtract(1.0, rho, out=rho)
+    return np.multiply.reduce(e.take(plan.ancestors), axis=0), rho
+
+
 def law_from_edges(plan: TreePlan, e: np.ndarray, probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(P, rho, w) of Algorithm 1, lines 3-7, from the edge probabilities, level-parallel in a few
     whole-array numpy operations (no per-node loop):
@@ -181,17 +192,15 @@ def law_from_edges(plan: TreePlan, e: np.ndarray, probs: torch.Tensor) -> tuple[
     Returns:
         ``(P, rho, w)``, float64 ``[N]`` each.
     """
-    n = len(plan)
-    P = np.multiply.reduce(e[plan.ancestors], axis=0) if len(plan.ancestors) else np.ones(n)
-    rho = 1.0 - np.bincount(plan.edge_parents, weights=e[1:], minlength=n)
+    P, rho = _prefix_and_rho(plan, e)
     if rho.min() < RHO_RECHECK:
         _recheck(rho, plan, probs)
     return P, rho, P * rho
 
 
 def unchecked_exit_cdf(plan: TreePlan, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The hot-path form of :func:`exit_cdf`: the same arithmetic in place (five whole-array
-    operations), without the exact rho recheck. Returns ``(cdf, rho)``, float64 ``[N]`` each.
+    """The hot-path form of :func:`exit_cdf`: the same arithmetic (:func:`_prefix_and_rho`, then w and
+    its cumulative sums in place), without the exact rho recheck. Returns ``(cdf, rho)``, float64 ``[N]`` each.
 
     A caller must treat an exit node v with ``rho[v] < RHO_RECHECK`` as unconfirmed and redraw it
     with the same uniform from :func:`exit_cdf` (as :func:`impl.tev.verify.tev` does): a node whose
@@ -199,12 +208,7 @@ def unchecked_exit_cdf(plan: TreePlan, e: np.ndarray) -> tuple[np.ndarray, np.nd
     nodes' cumulative weights differ from :func:`exit_cdf`'s by at most the float32 rounding of the
     rows (~1e-7 of P per rechecked node).
     """
-    n = len(plan)
-    if n == 1:  # root only: it is the exit node
-        return np.ones(1), np.ones(1)
-    cdf = np.multiply.reduce(e.take(plan.ancestors), axis=0)
-    rho = np.bincount(plan.edge_parents, weights=e[1:], minlength=n)
-    np.subtract(1.0, rho, out=rho)
+    cdf, rho = _prefix_and_rho(plan, e)
     cdf *= rho
     return np.cumsum(cdf, out=cdf), rho
 

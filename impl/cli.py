@@ -111,6 +111,25 @@ def cmd_train(args) -> None:
              meta["unigram_baseline"], summary["train_seconds"])
 
 
+def cmd_convert_gguf(args) -> None:
+    from .models.gguf import GGUFError, GGUFSource, convert_gguf
+    from .provenance import atomic_path, provenance
+
+    cfg = _config(args)
+    m = cfg["models"].get(args.model)
+    if m is None or "gguf" not in m:
+        raise SystemExit(f"error: models.{args.model} has no 'gguf' source in the config")
+    try:
+        with atomic_path(args.out) as tmp:
+            record = convert_gguf(GGUFSource.from_config(m["gguf"]), tmp, dtype=cfg["dtype"],
+                                  extra={"model": args.model, **provenance(cfg, seed=cfg["seed"], dtype=cfg["dtype"])})
+    except GGUFError as e:
+        raise SystemExit(f"error: models.{args.model}: {e}") from None
+    log.info("%s: %s (%s %s) -> %s; logits check passed (max |diff| %g)", args.model, record["source"]["file"],
+             record["source"]["package"], record["source"]["package_version"], args.out,
+             record["check"]["max_abs_logit_diff"])
+
+
 def cmd_train_adapters(args) -> None:
     import torch
 
@@ -148,7 +167,7 @@ def cmd_workload(args) -> None:
     cfg = _config(args)
     w = cfg["workloads"][args.suite]
     rows = build_text_suite(args.suite, cfg["data_dir"], w["n_prompts"], cfg["seed"],
-                            w.get("template", DEFAULT_TEMPLATES[args.suite]))
+                            w.get("template", DEFAULT_TEMPLATES[args.suite]), chat=w.get("chat"))
     write_jsonl(args.out, rows)
     log.info("%s: %d prompts -> %s", args.suite, len(rows), args.out)
 
@@ -178,9 +197,11 @@ def cmd_ead(args) -> None:
     from .ead.measure import measure_suite
     from .provenance import provenance, read_jsonl, write_jsonl
 
+    from .config import ead_prompt_limit
+
     cfg = _config(args)
     _threads(cfg)
-    prompts = read_prompts(args.prompts)
+    prompts = read_prompts(args.prompts)[: ead_prompt_limit(cfg, args.model)]
     model = _load(cfg, args.model_dir)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -230,7 +251,9 @@ def cmd_ar_bench(args) -> None:
     _threads(cfg)
     model = _load(cfg, args.model_dir)
     b = cfg["ar_bench"]
-    prompts = [p for p in read_prompts(args.prompts) if p.get("input_ids")]
+    from .config import ead_prompt_limit
+
+    prompts = [p for p in read_prompts(args.prompts)[: ead_prompt_limit(cfg, args.model)] if p.get("input_ids")]
     eos = model.config.eos_token_id if cfg["ead"]["stop_at_eos"] else None
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -287,7 +310,7 @@ def cmd_decode(args) -> None:
             raise SystemExit(f"error: --params is not valid JSON: {e}") from None
         if not isinstance(params, dict):
             raise SystemExit("error: --params must be a JSON object")
-    elif args.method in ("self_spec", "adadecode"):
+    elif args.method in ("self_spec", "adadecode", "hf_early_exit"):
         raise SystemExit(f"error: --method {args.method} needs --params (see python -m impl decode --help)")
     if args.method == "dex":
         try:
@@ -388,8 +411,8 @@ def cmd_dex_figures(args) -> None:
 
 def cmd_tables(args) -> None:
     from .provenance import write_json
-    from .report.tables import (ar_table, best_selection, ead_tables, load_rows, paired_model_comparison,
-                                training_table, write_table)
+    from .report.tables import (ar_table, best_selection, ead_tables, load_rows, models_table,
+                                paired_model_comparison, training_table, write_table)
 
     cfg = _config(args)
     out = Path(args.out_dir)
@@ -405,6 +428,7 @@ def cmd_tables(args) -> None:
     for name, df in tabs.items():
         write_table(df, out / name)
     write_table(best_selection(tabs["selection"]), out / "selection_best")
+    write_table(models_table(cfg, ead), out / "models")
     comp = cfg["ead"].get("compare")
     if comp:
         write_table(paired_model_comparison(ead, comp["baseline"], comp["treatment"]), out / "ls_vs_std")
@@ -474,6 +498,7 @@ def cmd_report(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .methods import METHODS
     from .workloads import SUITES
 
     p = argparse.ArgumentParser(prog="python -m impl", description=__doc__,
@@ -503,6 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--corpus", required=True)
     sp.add_argument("--out", required=True, help="model directory to write")
     sp.add_argument("--summary", required=True, help="training summary JSON to write")
+    sp = add("convert-gguf", cmd_convert_gguf,
+             "convert a model's GGUF source (models.<name>.gguf) into a checked Hugging Face directory")
+    sp.add_argument("--model", required=True, help="model name (a key of models: with a gguf source)")
+    sp.add_argument("--out", required=True, help="model directory to write (conversion.json inside)")
     sp = add("train-adapters", cmd_train_adapters,
              "train DEX inducing adapters (App. C.2) for a frozen model by KL self-distillation on ShareGPT")
     sp.add_argument("--model-dir", required=True)
@@ -534,9 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompts", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--max-new-tokens", type=int, help="override ar_bench.max_new_tokens")
-    sp = add("decode", cmd_decode, "decode a prompt file with one method (ar, dex, self_spec, adadecode, dynamic_exit); each row checked against AR")
+    sp = add("decode", cmd_decode, "decode a prompt file with one method (ar, dex, self_spec, adadecode, dynamic_exit, hf_early_exit); "
+             "each row checked against AR")
     sp.add_argument("--model-dir", required=True)
-    sp.add_argument("--method", required=True, choices=["ar", "dex", "self_spec", "adadecode", "dynamic_exit"])
+    sp.add_argument("--method", required=True, choices=list(METHODS))
     sp.add_argument("--params", help="baseline parameters as JSON, e.g. '{\"exit_layer\": 4, \"num_speculations\": 4}'")
     sp.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids or text")
     sp.add_argument("--out", required=True)

@@ -109,11 +109,25 @@ SCHEMA: dict[str, Any] = {
                 "properties": {
                     "kind": {"enum": ["tiny", "pretrained"]},
                     "path": {"type": "string", "description": "local HF directory (kind: pretrained)"},
+                    "gguf": {
+                        "type": "object",
+                        "description": "GGUF source that rule convert_<name> turns into the HF directory at path",
+                        "additionalProperties": False,
+                        "required": ["file"],
+                        "properties": {
+                            "file": {"type": "string", "minLength": 1,
+                                     "description": "file inside the installed package, or a path without one"},
+                            "package": {"type": "string", "minLength": 1, "description": "installed PyPI distribution"},
+                            "version": {"type": "string", "minLength": 1},
+                            "sha256": {"type": "string", "pattern": "^[0-9a-fA-F]{64}$"},
+                        },
+                    },
                     "early_exit": _EARLY_EXIT,
                     "description": {"type": "string"},
                 },
                 "if": {"properties": {"kind": {"const": "pretrained"}}},
                 "then": {"required": ["path"]},
+                "else": {"not": {"required": ["gguf"]}},
             },
         },
         "max_prompt_tokens": {"type": "integer", "minimum": 2},
@@ -125,7 +139,13 @@ SCHEMA: dict[str, Any] = {
             "additionalProperties": {
                 "type": "object",
                 "additionalProperties": False,
-                "properties": {"n_prompts": _POS_INT, "template": {"type": "string", "minLength": 1}},
+                "properties": {
+                    "n_prompts": _POS_INT,
+                    "template": {"type": "string", "minLength": 1},
+                    "chat": {"type": "string", "minLength": 1,
+                             "description": "user-message template: models with a chat template get it as one "
+                                            "user turn through their own template (the plain template otherwise)"},
+                },
                 "required": ["n_prompts"],
             },
         },
@@ -139,11 +159,19 @@ SCHEMA: dict[str, Any] = {
                 "max_new_tokens": _POS_INT,
                 "stop_at_eos": {"type": "boolean"},
                 "num_speculations": {"type": "array", "items": _POS_INT, "minItems": 1},
+                "n_prompts": {
+                    "description": "EAD and AR-bench prompts per suite (the suite's first n): one int for every "
+                                   "model, or a mapping model -> int (unlisted models: the whole suite)",
+                    "oneOf": [_POS_INT, {"type": "object", "additionalProperties": _POS_INT}],
+                },
                 "compare": {
                     "type": "object",
                     "additionalProperties": False,
                     "required": ["baseline", "treatment"],
-                    "properties": {"baseline": {"type": "string"}, "treatment": {"type": "string"}},
+                    "properties": {"baseline": {"type": "string"}, "treatment": {"type": "string"},
+                                   "shared": {"type": "boolean",
+                                              "description": "also teacher-force both models on each other's "
+                                                             "generations (needs one tokenizer; default: both tiny)"}},
                     "description": "paired per-prompt comparison of mean stable EAD (treatment - baseline)",
                 },
                 "nested_chains": {
@@ -211,6 +239,9 @@ SCHEMA: dict[str, Any] = {
                             "thresholds": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1},
                                            "minItems": 1}}},
                         "dynamic_exit": {"type": "boolean"},
+                        "hf_early_exit": {"type": "boolean",
+                                          "description": "transformers' assistant_early_exit at the tuned "
+                                                         "self_spec parameters, as a library reference arm"},
                     },
                 },
             },
@@ -252,7 +283,7 @@ DEX_DEFAULTS: dict[str, Any] = {
                   "self_spec": {"exit_layers": [1, 2, 3, 4, 6], "num_speculations": [2, 4, 6, 8]},
                   "adadecode": {"shortcut_every": 2, "num_speculations": [2, 4, 6, 8],
                                 "thresholds": [0.2, 0.4, 0.6, 0.8]},
-                  "dynamic_exit": True},
+                  "dynamic_exit": True, "hf_early_exit": True},
 }
 EAD_DEFAULTS = {"stop_at_eos": True, "num_speculations": [1, 4], "nested_chains": [[2, 4, 12], [3, 6, 12]]}
 
@@ -354,15 +385,17 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
     from .workloads import FIELDS
 
     for suite, w in out["workloads"].items():
-        if "template" in w:
+        for key in ("template", "chat"):
+            if key not in w:
+                continue
             try:
-                names = {f for _, f, _, _ in string.Formatter().parse(w["template"]) if f is not None}
+                names = {f for _, f, _, _ in string.Formatter().parse(w[key]) if f is not None}
             except ValueError as e:
-                raise ConfigError(f"config: bad value for 'workloads.{suite}.template': {e}") from None
+                raise ConfigError(f"config: bad value for 'workloads.{suite}.{key}': {e}") from None
             unknown = sorted(n for n in names if n.split(".")[0].split("[")[0] not in FIELDS[suite])
             if unknown:
                 raise ConfigError(
-                    f"config: 'workloads.{suite}.template' uses unknown field(s) {unknown}; "
+                    f"config: 'workloads.{suite}.{key}' uses unknown field(s) {unknown}; "
                     f"available: {', '.join(FIELDS[suite])}")
     for i, m in enumerate(out["ead"]["models"]):
         if m not in out["models"]:
@@ -375,6 +408,18 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
         for role in ("baseline", "treatment"):
             if comp[role] not in out["ead"]["models"]:
                 raise ConfigError(f"config: 'ead.compare.{role}' names '{comp[role]}', which is not in 'ead.models'")
+        both_tiny = all(out["models"][comp[r]]["kind"] == "tiny" for r in ("baseline", "treatment"))
+        comp.setdefault("shared", both_tiny)
+        if comp["shared"] and not both_tiny and out["models"][comp["baseline"]].get("path") != \
+                out["models"][comp["treatment"]].get("path"):
+            raise ConfigError("config: 'ead.compare.shared' needs one tokenizer for both models (shared contexts are "
+                              f"token ids); '{comp['baseline']}' and '{comp['treatment']}' are different model families: "
+                              "set shared: false")
+    n_ead = out["ead"].get("n_prompts")
+    if isinstance(n_ead, dict):
+        for m in n_ead:
+            if m not in out["ead"]["models"]:
+                raise ConfigError(f"config: 'ead.n_prompts' names '{m}', which is not in 'ead.models'")
     tiny_ctx = out["tiny_arch"]["max_position_embeddings"]
     need = out["max_prompt_tokens"] + max(out["ead"]["max_new_tokens"], out["ar_bench"]["max_new_tokens"])
     if any(m["kind"] == "tiny" for m in out["models"].values()) and need > tiny_ctx:
@@ -468,6 +513,15 @@ def check_config_paths(cfg: dict[str, Any]) -> None:
                 except FileNotFoundError as e:
                     raise ConfigError(f"config: corpus.sources ({src}): {e}") from None
     for name, m in cfg["models"].items():
+        if m["kind"] == "pretrained" and "gguf" in m:
+            # built by the DAG (rule convert_<name>); the source must be there (a one-line error otherwise)
+            from .models.gguf import GGUFError, GGUFSource
+
+            try:
+                GGUFSource.from_config(m["gguf"]).locate()
+            except GGUFError as e:
+                raise ConfigError(f"config: models.{name}.gguf: {e}") from None
+            continue
         if m["kind"] == "pretrained" and not (Path(m["path"]) / "config.json").is_file():
             raise ConfigError(
                 f"config: 'models.{name}.path' = {m['path']} is not a Hugging Face model directory "
@@ -501,6 +555,12 @@ ADAPTED_SUFFIX = "+ad"
 def variant_name(model: str, adapted: bool) -> str:
     """Name of a DEX model variant: the model name, or ``<model>+ad`` with its inducing adapters."""
     return model + ADAPTED_SUFFIX if adapted else model
+
+
+def ead_prompt_limit(cfg: dict[str, Any], model: str) -> int | None:
+    """EAD / AR-bench prompts per suite for ``model`` (``ead.n_prompts``), or None for the whole suite."""
+    n = cfg["ead"].get("n_prompts")
+    return n.get(model) if isinstance(n, dict) else n
 
 
 def split_variant(variant: str) -> tuple[str, bool]:

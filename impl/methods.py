@@ -13,7 +13,7 @@ from typing import Any, Callable
 from .spec.ar import ar_decode
 from .spec.sampling import DecodeRule
 
-METHODS = ("ar", "dex", "self_spec", "adadecode", "dynamic_exit")
+METHODS = ("ar", "dex", "self_spec", "adadecode", "dynamic_exit", "hf_early_exit")
 BASELINE_PARAMS = {
     "self_spec": ("exit_layer", "num_speculations"),
     "adadecode": ("shortcut_layers", "threshold", "num_speculations"),
@@ -53,6 +53,8 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
     Baselines (DEX Sec. 4, App. D): ``self_spec`` (LayerSkip self-speculation: ``exit_layer``,
     ``num_speculations``), ``adadecode`` (``shortcut_layers``, ``threshold``, ``num_speculations``),
     ``dynamic_exit`` (DEL: optional ``exit_layers``, ``num_speculations``, ``confidence_threshold``).
+    Library reference: ``hf_early_exit`` (transformers' ``generate(assistant_early_exit=...)``, greedy
+    only: ``exit_layer``, ``num_speculations``; :mod:`impl.spec.hf_early_exit`).
 
     Params (DEX): ``exploration_set`` (tuple of depths), ``decs`` (bool), ``single_exit`` (bool),
     ``dedupe`` (bool); ``adapters``: inducing adapters by depth (DEX App. C.2), the ones at the
@@ -107,6 +109,26 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
                 "exploration_set": list(X),
             }
         return run_dex
+    if name == "hf_early_exit":
+        from .spec.hf_early_exit import check_hf_early_exit_params, hf_early_exit_decode
+
+        unknown = sorted(set(params) - {"exit_layer", "num_speculations"})
+        missing = [k for k in ("exit_layer", "num_speculations") if k not in params]
+        if unknown or missing:
+            raise ValueError(f"hf_early_exit: unknown {unknown} / missing {missing} parameter(s); "
+                             "needs exit_layer, num_speculations")
+        if rule.temperature != 0:
+            raise ValueError("hf_early_exit runs greedy only (transformers' sampler draws its own noise, so its "
+                             "samples cannot be compared token for token with AR's)")
+        check_hf_early_exit_params(L, params["exit_layer"], params["num_speculations"])
+
+        def run_hf(ids, n, eos):
+            r = hf_early_exit_decode(model, ids, n, exit_layer=params["exit_layer"],
+                                     num_speculations=params["num_speculations"], eos_token_id=eos)
+            return {"token_ids": r.tokens, "seconds": r.seconds, "stopped_at_eos": r.stopped_at_eos,
+                    "critical_layers_total": r.critical_layers, "draft_passes": r.draft_passes,
+                    "verify_passes": r.verify_passes}
+        return run_hf
     if name in BASELINE_PARAMS:
         unknown = sorted(set(params) - set(BASELINE_PARAMS[name]))
         if unknown:

@@ -73,3 +73,37 @@ def test_missing_ar_arm_is_an_error(tiny_model):
     with pytest.raises(ValueError, match="no AR arm"):
         run_cell(tiny_model, [], [Arm("x", "dex", {"exploration_set": [6, 12]}, 1.0)], max_new_tokens=2,
                  eos=None, seed=0)
+
+
+def test_tuned_baselines_add_the_transformers_reference_arm(tiny_model):
+    from impl.dex.cell import tune_baselines
+
+    d = _cfg()
+    d["baselines"] = {"tune_prompts": 1, "self_spec": {"exit_layers": [2, 4], "num_speculations": [2]},
+                      "dynamic_exit": False, "hf_early_exit": True}
+    arms, tuning = tune_baselines(tiny_model, [{"id": "t", "input_ids": [5, 17, 42]}], d, 12, 8, None)
+    by = {a.name: a for a in arms}
+    assert set(by) == {"self_spec", "hf_early_exit"} and by["hf_early_exit"].params == by["self_spec"].params
+    rows = run_cell(tiny_model, [{"id": "p", "suite": "gsm8k", "input_ids": [1, 2, 3]}],
+                    [Arm("ar", "ar", {}, 0.0, "ar")] + arms, max_new_tokens=10, eos=None, seed=0)
+    hf = next(r for r in rows if r["arm"] == "hf_early_exit")
+    assert hf["ar_match"] and hf["verify_passes"] >= 1
+    d["baselines"]["hf_early_exit"] = False
+    assert [a.name for a in tune_baselines(tiny_model, [{"id": "t", "input_ids": [5]}], d, 12, 4, None)[0]] == ["self_spec"]
+
+
+def test_adapter_ead_table_pairs_base_and_adapted():
+    from impl.report.dex import adapter_ead_table
+
+    rows = []
+    for pid, (b, a) in enumerate([([20, 22], [10, 12]), ([25, 27], [15, 15]), ([24, 24], [11, 13])]):
+        for variant, se in (("m", b), ("m+ad", a)):
+            rows.append({"arm": "stable_ead_oracle", "variant": variant, "suite": "gsm8k", "prompt_id": str(pid),
+                         "stable_ead": se, "num_layers": 30})
+    t = adapter_ead_table(rows + [{"arm": "ar", "variant": "m", "suite": "gsm8k", "prompt_id": "0"}])
+    assert len(t) == 1
+    r = t.iloc[0]
+    assert r["base_mean_stable_ead"] == pytest.approx((21 + 26 + 24) / 3)
+    assert r["adapted_mean_stable_ead"] == pytest.approx((11 + 15 + 12) / 3)
+    assert r["diff"] < 0 and r["resolved"] and r["earlier"] and r["L"] == 30
+    assert adapter_ead_table(rows[::2]).empty  # no adapted variant: no row

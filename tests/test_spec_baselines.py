@@ -252,3 +252,44 @@ def test_bad_parameters_raise(tiny_model):
             call(model=m, input_ids=p, max_new_tokens=4, eos_token_id=97)
         with pytest.raises(ValueError, match="outside"):
             call(model=m, input_ids=[1, 200], max_new_tokens=4)
+
+
+# ------------------------------------------------------------------ library reference: transformers' early exit
+
+
+@pytest.mark.parametrize("eos", [None, 0])
+def test_hf_early_exit_equals_ar(tiny_model, eos):
+    from impl.spec.hf_early_exit import hf_early_exit_decode
+
+    for prompt in PROMPTS:
+        ar = ar_decode(tiny_model, prompt, N, eos_token_id=eos).tokens
+        for exit_layer, k in [(1, 1), (4, 3), (L - 1, 6)]:
+            res = hf_early_exit_decode(tiny_model, prompt, N, exit_layer=exit_layer, num_speculations=k,
+                                       eos_token_id=eos)
+            assert res.tokens == ar, (prompt, exit_layer, k)
+            assert res.verify_passes >= 1 and res.draft_passes >= 1
+    assert tiny_model.generation_config.num_assistant_tokens != 6  # the draft settings were restored
+
+
+def test_hf_early_exit_accounting_matches_lssd_hand_built(identity_tail_model):
+    """Every depth->=4 draft is accepted: transformers' passes cost what LSSD's rounds cost."""
+    from impl.spec.hf_early_exit import hf_early_exit_decode
+
+    prompt = [3, 4, 5]
+    hf = hf_early_exit_decode(identity_tail_model, prompt, 10, exit_layer=4, num_speculations=3, eos_token_id=None)
+    ss = self_spec_decode(identity_tail_model, prompt, 10, exit_layer=4, num_speculations=3)
+    assert hf.tokens == ss.tokens == ar_decode(identity_tail_model, prompt, 10).tokens
+    assert (hf.draft_passes, hf.verify_passes) == (7, 3)
+    assert hf.critical_layers == ss.critical_layers == 64
+
+
+def test_hf_early_exit_bad_parameters(tiny_model):
+    from impl.methods import build_method
+    from impl.spec.hf_early_exit import hf_early_exit_decode
+
+    with pytest.raises(ValueError, match="exit_layer=12 is outside"):
+        hf_early_exit_decode(tiny_model, [1, 2], 4, exit_layer=L, num_speculations=2, eos_token_id=None)
+    with pytest.raises(ValueError, match="greedy only"):
+        build_method("hf_early_exit", tiny_model, DecodeRule(temperature=1.0), {"exit_layer": 2, "num_speculations": 2})
+    with pytest.raises(ValueError, match="missing"):
+        build_method("hf_early_exit", tiny_model, DecodeRule(), {"exit_layer": 2})

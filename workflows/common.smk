@@ -75,6 +75,8 @@ REPORT_SECTIONS = []
 
 EAD_MODELS = CFG["ead"]["models"]
 EAD_WORKLOADS = CFG["ead"]["workloads"]
+# shared-context EAD (rule ead_shared) when the compared models share a tokenizer (ead.compare.shared)
+EAD_SHARED = bool(CFG["ead"].get("compare") and CFG["ead"]["compare"]["shared"])
 TINY_MODELS = [m for m, v in CFG["models"].items() if v["kind"] == "tiny"]
 
 wildcard_constraints:

@@ -100,7 +100,7 @@ if DEX:
             "--device auto 2> {log}"
 
     DEX_TABLE_NAMES = ["dex_arms", "dex_claims", "dex_overhead", "dex_walltime_model", "dex_tuning", "dex_adapters",
-                       "dex_distributed"]
+                       "dex_adapter_ead", "dex_distributed"]
     DEX_FIGURE_NAMES = ["dex_fig3", "dex_fig4"]
 
     rule dex_tables:

@@ -45,7 +45,7 @@ rule ar_bench:
         "--prompts {input.prompts} --out {output} 2> {log}"
 
 
-if CFG["ead"].get("compare"):
+if EAD_SHARED:
     COMPARED = [CFG["ead"]["compare"]["baseline"], CFG["ead"]["compare"]["treatment"]]
 
     rule ead_shared:

@@ -1,4 +1,5 @@
-# Tiny models trained inside the DAG (cached under models_dir): tokenizer -> corpus -> one rule per model.
+# Tiny models trained inside the DAG (cached under models_dir): tokenizer -> corpus -> one rule per model;
+# pretrained models with a GGUF source (models.<name>.gguf) converted into their path by rule convert_<name>.
 
 
 rule tokenizer:
@@ -40,6 +41,8 @@ rule corpus:
 rule train_model:
     conda:
         "../env.yaml"
+    wildcard_constraints:
+        model="|".join(map(re.escape, TINY_MODELS)) or "(?!)",
     input:
         tok=rules.tokenizer.output,
         corpus=rules.corpus.output,
@@ -58,3 +61,27 @@ rule train_model:
     shell:
         "python -m impl train --config-json @{params.cfg} --quiet --model {wildcards.model} --tokenizer {input.tok} "
         "--corpus {input.corpus} --out {output.model} --summary {output.summary} 2> {log}"
+
+
+for _name, _m in CFG["models"].items():
+    if _m["kind"] != "pretrained" or "gguf" not in _m:
+        continue
+
+    rule:
+        name:
+            f"convert_{_name}"
+        conda:
+            "../env.yaml"
+        output:
+            directory(_m["path"]),
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            name=_name,
+            sig=sig("dtype", gguf=_m["gguf"]),
+        log:
+            f"{LOGS}/convert/{_name}.log",
+        resources:
+            mem_mb=6000,
+            runtime=20,
+        shell:
+            "python -m impl convert-gguf --config-json @{params.cfg} --model {params.name} --out {output} 2> {log}"

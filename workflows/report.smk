@@ -1,9 +1,10 @@
 # Tables and figures from raw rows, and results/REPORT.md linking them.
 TABLES = f"{RESULTS}/tables"
 REPORT = f"{RESULTS}/REPORT.md"
-TABLE_NAMES = ["training", "val_loss_by_depth", "ead_summary", "ead_hist", "s_x", "nested_chains",
+TABLE_NAMES = ["models", "training", "val_loss_by_depth", "ead_summary", "ead_hist", "s_x", "nested_chains",
                "selection", "selection_best", "ar_throughput"] + (
-    ["ls_vs_std", "ls_vs_std_shared", "ead_shared_summary"] if CFG["ead"].get("compare") else [])
+    ["ls_vs_std"] if CFG["ead"].get("compare") else []) + (
+    ["ls_vs_std_shared", "ead_shared_summary"] if EAD_SHARED else [])
 FIGURE_NAMES = ["ead_hist", "ead_means", "s_x_vs_k", "selection"] + (["loss_by_depth"] if TINY_MODELS else [])
 
 
@@ -14,7 +15,8 @@ rule tables:
         ead=expand(f"{RESULTS}/ead/{{model}}/{{suite}}.jsonl", model=EAD_MODELS, suite=EAD_WORKLOADS),
         ar=expand(f"{RESULTS}/ar/{{model}}/{{suite}}.jsonl", model=EAD_MODELS, suite=EAD_WORKLOADS),
         train=expand(f"{RESULTS}/train/{{model}}.json", model=[m for m in EAD_MODELS if m in TINY_MODELS]),
-        shared=expand(f"{RESULTS}/ead_shared/{{suite}}.jsonl", suite=EAD_WORKLOADS if CFG["ead"].get("compare") else []),
+        shared=expand(f"{RESULTS}/ead_shared/{{suite}}.jsonl", suite=EAD_WORKLOADS if EAD_SHARED else []),
+        models=[str(model_dir(CFG, m)) for m in EAD_MODELS],
     output:
         expand(f"{TABLES}/{{name}}.{{ext}}", name=TABLE_NAMES, ext=["csv", "md"]),
         prov=f"{TABLES}/provenance.json",

@@ -161,6 +161,10 @@ def tune_baselines(model, prompts: list[dict], dex_cfg: dict, L: int, max_new_to
                 best, best_s = params, s
         arms.append(Arm(method, method, best, 0.0, "fig3"))
         log.info("tuned %s: %s (depth speedup %.3f on %d prompts)", method, best, best_s, len(prompts))
+        if method == "self_spec" and dex_cfg["baselines"].get("hf_early_exit", True):
+            # the library's own LayerSkip-style early exit at the same (exit layer, draft length): a
+            # reference next to the project's LSSD, greedy, not itself a tuned baseline
+            arms.append(Arm("hf_early_exit", "hf_early_exit", dict(best), 0.0, "fig3"))
     return arms, rows
 
 

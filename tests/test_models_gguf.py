@@ -57,8 +57,13 @@ def test_config_validation_of_gguf_models(data_dir):
                                                                                  "file": "m.gguf"}}
     with pytest.raises(ConfigError, match=r"models.real.gguf: package 'no-such-weights-pkg'"):
         validate_config(c)
-    c["models"]["real"] = {"kind": "pretrained", "path": "models/real", "gguf": SMOL}
-    validate_config(c)  # no config.json yet: the DAG builds it (rule convert_real)
+    c["models"]["real"] = {"kind": "pretrained", "path": "elsewhere/real", "gguf": SMOL}
+    assert validate_config(c)["models"]["real"]["path"] == "elsewhere/real"  # no config.json yet: rule convert_real
+    c["models"]["real"] = {"kind": "pretrained", "gguf": SMOL}
+    assert validate_config(c)["models"]["real"]["path"] == f"{c['models_dir']}/real"  # default: models_dir/<name>
+    c["models"]["real"] = {"kind": "pretrained"}
+    with pytest.raises(ConfigError, match="models.real"):
+        validate_config(c, check_paths=False)
     c["models"]["real"] = {"kind": "tiny", "gguf": SMOL}
     with pytest.raises(ConfigError, match="models.real"):
         validate_config(c, check_paths=False)

@@ -155,3 +155,21 @@ def test_config_edit_reruns_only_affected_rules(smoke_run, data_dir, tmp_path):
     assert "measure_ead" in planned and "report" in planned
     assert not planned & {"tokenizer", "corpus", "train_model", "workload_text", "workload_tokens", "ar_bench",
                           "train_adapters", "dex_cell", "dex_distributed"}
+
+
+def test_default_dag_converts_smollm2_before_its_jobs(tmp_path, data_dir):
+    """The default plans rule convert_smollm2 into models_dir/smollm2 and feeds it to the foundation and
+    DEX jobs of smollm2 (the tiny models keep train_model)."""
+    cmd = [sys.executable, "-m", "snakemake", "-n", "--nolock", "--config", f"data_dir={data_dir}",
+           f"results_dir={tmp_path}/results", f"models_dir={tmp_path}/models", f"figures_dir={tmp_path}/figures",
+           f"logs_dir={tmp_path}/logs"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    outputs: dict[str, list[str]] = {}
+    for rule, out in re.findall(r"^(?:local)?rule (\w+):\n(?:    .*\n)*?    output: (.*)", r.stdout, re.M):
+        outputs.setdefault(rule, []).append(out)
+    assert outputs["convert_smollm2"] == [f"{tmp_path}/models/smollm2"]
+    trained = sorted(o.split(",")[0] for o in outputs["train_model"])
+    assert trained == [f"{tmp_path}/models/tiny-ls", f"{tmp_path}/models/tiny-std"]
+    assert any("/ead/smollm2/" in o for o in outputs["measure_ead"])
+    assert any("/dex/smollm2+ad/" in o for o in outputs["dex_cell"])

@@ -141,6 +141,8 @@ def test_metrics_and_timing(tiny_model):
     # uniform X: the critical path in layers is 4 per round
     assert all(m.critical_layers == 4 * m.rounds for m in res.metrics)
     assert all(max(m.lattice_sizes) <= 2 ** 3 for m in res.metrics)
+    # the prompt prefill is timed apart from the rounds (the projected K-device time adds it back)
+    assert 0 < res.prefill_seconds <= res.profile["expansion"]
 
 
 # --- tier 2 and 3 under sampling ------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """DEX benchmark cell: arms, AR verdicts, rounds identity in the rows, and the DEX tables."""
 
+import numpy as np
 import pytest
 
 from impl.config import DEX_DEFAULTS
@@ -107,3 +108,39 @@ def test_adapter_ead_table_pairs_base_and_adapted():
     assert r["adapted_mean_stable_ead"] == pytest.approx((11 + 15 + 12) / 3)
     assert r["diff"] < 0 and r["resolved"] and r["earlier"] and r["L"] == 30
     assert adapter_ead_table(rows[::2]).empty  # no adapted variant: no row
+
+
+def test_adapted_variant_is_compared_with_the_base_models_best_baseline():
+    from impl.report.dex import claims_table, _frame, arms_table
+
+    rows = []
+    for pid, (ss, dex_plain, dex_ad) in enumerate([(20, 16, 14), (22, 17, 15), (21, 18, 13)]):
+        def row(variant, arm, method, crit, params=None):
+            return {"kind": "decode", "variant": variant, "suite": "gsm8k", "arm": arm, "method": method,
+                    "figure": "ar" if method == "ar" else "fig3", "temperature": 0.0, "prompt_id": str(pid),
+                    "num_layers": 12, "n_new_tokens": 2, "critical_layers_total": crit, "params": params or {},
+                    "ar_match": True}
+        rows += [row("m", "ar", "ar", 24), row("m", "self_spec", "self_spec", ss),
+                 row("m", "dex-1/2", "dex", dex_plain, {"exploration_set": [6, 12]}),
+                 row("m+ad", "ar", "ar", 24), row("m+ad", "dex-1/2", "dex", dex_ad, {"exploration_set": [6, 12]})]
+    df = _frame(rows)
+    claims = claims_table(df, arms_table(df))
+    ad = claims[(claims.variant == "m+ad") & (claims.claim == "DEX above best selection baseline")]
+    assert len(ad) == 1 and ad.iloc[0]["arm_a"] == "m:self_spec" and ad.iloc[0]["n"] == 3
+    assert ad.iloc[0]["mean_b"] == pytest.approx(np.mean([24 / 14, 24 / 15, 24 / 13]))
+    assert ad.iloc[0]["mean_a"] == pytest.approx(np.mean([24 / 20, 24 / 22, 24 / 21]))
+
+
+def test_projected_speedup_counts_the_prefill():
+    from impl.report.dex import _frame, arms_table
+
+    base = {"kind": "decode", "variant": "m", "suite": "gsm8k", "temperature": 0.0, "prompt_id": "0",
+            "num_layers": 12, "n_new_tokens": 4, "ar_match": True}
+    rows = [{**base, "arm": "ar", "method": "ar", "figure": "ar", "critical_layers_total": 48, "params": {},
+             "seconds": 3.0},
+            {**base, "arm": "dex-1/2", "method": "dex", "figure": "fig3", "critical_layers_total": 36,
+             "params": {"exploration_set": [6, 12]}, "seconds": 4.0, "critical_path_seconds": 1.0,
+             "prefill_seconds": 0.5}]
+    t = arms_table(_frame(rows)).set_index("arm")
+    assert t.loc["dex-1/2", "projected_speedup"] == pytest.approx(3.0 / 1.5)
+    assert t.loc["dex-1/2", "wall_speedup"] == pytest.approx(3.0 / 4.0)

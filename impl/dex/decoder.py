@@ -60,6 +60,8 @@ class DEXResult:
         round_seconds: per round, the wall time (s) of each explorer's batch (0 when idle).
         profile: seconds spent in expansion (explorer batches), commit+collapse, and bookkeeping.
         stopped_at_eos: whether EOS ended the decode.
+        prefill_seconds: wall time (s) of the prompt prefill (all L layers; sequential through the
+            stages on K devices too, so part of the critical path, as it is part of AR's wall time).
     """
 
     tokens: list[int]
@@ -67,6 +69,7 @@ class DEXResult:
     round_seconds: list[list[float]]
     profile: dict[str, float]
     stopped_at_eos: bool = False
+    prefill_seconds: float = 0.0
 
     @property
     def critical_path_seconds(self) -> float:
@@ -122,7 +125,8 @@ class DEXDecoder:
         prof = {"expansion": 0.0, "collapse": 0.0, "bookkeeping": 0.0}
         t0 = time.perf_counter()
         self.ex.prefill(list(input_ids[:-1]))
-        prof["expansion"] += time.perf_counter() - t0
+        prefill_s = time.perf_counter() - t0
+        prof["expansion"] += prefill_s
         lat = Lattice(K, dedupe=self.dedupe)
         anchor = lat.open(None, len(input_ids) - 1, input_ids[-1], 0)
         lat.anchor = anchor.sid
@@ -189,4 +193,4 @@ class DEXDecoder:
                 stopped = True
                 break
         return DEXResult(tokens=tokens, metrics=metrics, round_seconds=round_seconds, profile=prof,
-                         stopped_at_eos=stopped)
+                         stopped_at_eos=stopped, prefill_seconds=prefill_s)

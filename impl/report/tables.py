@@ -199,4 +199,7 @@ def models_table(cfg: dict, ead_rows: list[dict]) -> pd.DataFrame:
             rec = {"source": "trained in the DAG" if m["kind"] == "tiny" else m["path"]}
         recs.append({"model": name, "kind": m["kind"], "layers": depth.get(name),
                      "description": m.get("description", ""), **rec})
-    return pd.DataFrame(recs)
+    cols = ["model", "kind", "layers", "description", "source", "sha256", "weights", "parameters", "conversion_check"]
+    df = pd.DataFrame(recs, columns=cols)
+    df["parameters"] = df["parameters"].map(lambda v: "" if pd.isna(v) else f"{int(v):,}")
+    return df.fillna("")

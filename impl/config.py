@@ -176,7 +176,7 @@ SCHEMA: dict[str, Any] = {
                     "properties": {"baseline": {"type": "string"}, "treatment": {"type": "string"},
                                    "shared": {"type": "boolean",
                                               "description": "also teacher-force both models on each other's "
-                                                             "generations (needs one tokenizer; default: both tiny)"}},
+                                                             "generations (needs one tokenizer; default: same kind)"}},
                     "description": "paired per-prompt comparison of mean stable EAD (treatment - baseline)",
                 },
                 "nested_chains": {
@@ -416,13 +416,14 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
         for role in ("baseline", "treatment"):
             if comp[role] not in out["ead"]["models"]:
                 raise ConfigError(f"config: 'ead.compare.{role}' names '{comp[role]}', which is not in 'ead.models'")
-        both_tiny = all(out["models"][comp[r]]["kind"] == "tiny" for r in ("baseline", "treatment"))
-        comp.setdefault("shared", both_tiny)
-        if comp["shared"] and not both_tiny and out["models"][comp["baseline"]].get("path") != \
-                out["models"][comp["treatment"]].get("path"):
+        kinds = {out["models"][comp[r]]["kind"] for r in ("baseline", "treatment")}
+        # shared contexts are token ids: one tokenizer. Tiny models share the DAG's; a pretrained pair is
+        # taken to be one family (e.g. Llama 2 and its LayerSkip fine-tune); a tiny and a pretrained model never
+        comp.setdefault("shared", len(kinds) == 1)
+        if comp["shared"] and len(kinds) > 1:
             raise ConfigError("config: 'ead.compare.shared' needs one tokenizer for both models (shared contexts are "
-                              f"token ids); '{comp['baseline']}' and '{comp['treatment']}' are different model families: "
-                              "set shared: false")
+                              f"token ids); '{comp['baseline']}' and '{comp['treatment']}' are a tiny and a pretrained "
+                              "model: set shared: false")
     n_ead = out["ead"].get("n_prompts")
     if isinstance(n_ead, dict):
         for m in n_ead:

@@ -76,7 +76,7 @@ def test_dex_config_matches_figure6():
     assert cfg["ead"]["workloads"] == ["gsm8k", "humaneval", "xsum"]
     assert all(cfg["workloads"][w]["n_prompts"] == 36 for w in cfg["ead"]["workloads"])
     assert cfg["ead"]["max_new_tokens"] == 512
-    assert cfg["ead"]["compare"] == {"baseline": "llama2-70b", "treatment": "ls-llama2-70b"}
+    assert cfg["ead"]["compare"] == {"baseline": "llama2-70b", "treatment": "ls-llama2-70b", "shared": True}
 
 
 # --- profiles/slurm -----------------------------------------------------------------------------
@@ -101,11 +101,15 @@ def test_profile_dry_run(workdir, extra):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "Using profile profiles/slurm" in out
-    for rule in ALL_RULES:
+    # the default compares tiny-ls with smollm2 (two tokenizers): no shared-context rule there
+    expected = [r for r in ALL_RULES if not (not extra and r == "ead_shared")]
+    for rule in expected:
         assert re.search(rf"^rule {rule}:", out, re.M), f"rule {rule} not in the dry-run plan"
+    if not extra:
+        assert re.search(r"^rule convert_smollm2:", out, re.M)
     # the GPU rules get their SLURM resources from the profile
     blocks = re.findall(r"^rule (\w+):\n(.*?)(?=^\S)", out, re.M | re.S)
-    assert {r for r, _ in blocks} >= set(ALL_RULES)
+    assert {r for r, _ in blocks} >= set(expected)
     for rule, body in blocks:
         if rule in GPU_RULES:
             assert "gres=gpu:1" in body and "slurm_partition=gpu" in body, (rule, body)

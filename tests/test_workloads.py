@@ -145,7 +145,7 @@ def test_truncate_left_keeps_tail_and_bos(tokenizer, caplog):
     assert out[0]["original_n_tokens"] == len(body) + 1
     assert not out[1]["truncated"] and out[1]["input_ids"][0] == bos
     assert summary == {"n_in": 2, "n_out": 2, "n_truncated": 1, "n_skipped_overlong": 0,
-                       "n_skipped_empty": 0, "rule": "truncate_left", "max_prompt_tokens": 10}
+                       "n_skipped_empty": 0, "n_chat": 0, "format": "plain", "rule": "truncate_left", "max_prompt_tokens": 10}
     assert "truncated" in caplog.text
 
 

@@ -111,8 +111,10 @@ def paired_model_comparison(rows: list[dict], baseline: str, treatment: str) -> 
     not one model with and without early-exit training (column ``same_architecture``)."""
     recs = []
     groups = _group(rows)
-    depth = {r["model"]: len(r["candidates"]) for r in rows}
-    relative = depth.get(baseline) != depth.get(treatment)
+    # L from the candidates (EAD rows); rows without them (shared contexts: one tokenizer, tiny pairs)
+    # count as one depth
+    depth = {r["model"]: len(r["candidates"]) for r in rows if r.get("candidates") is not None}
+    relative = None not in (depth.get(baseline), depth.get(treatment)) and depth[baseline] != depth[treatment]
     for suite in sorted({s for _, s in groups}):
         if (baseline, suite) not in groups or (treatment, suite) not in groups:
             continue
@@ -120,7 +122,7 @@ def paired_model_comparison(rows: list[dict], baseline: str, treatment: str) -> 
             acc: dict[str, list[float]] = {}
             for r in rs:
                 acc.setdefault(r["prompt_id"], []).append(
-                    r["stable_ead"] / len(r["candidates"]) if relative else r["stable_ead"])
+                    r["stable_ead"] / depth[r["model"]] if relative else r["stable_ead"])
             return {k: float(np.mean(v)) for k, v in acc.items()}
         a, b = per_prompt(groups[(baseline, suite)]), per_prompt(groups[(treatment, suite)])
         common = sorted(set(a) & set(b))

@@ -62,16 +62,16 @@ def tokenize_suite(
     for row in rows:
         chat = has_chat and row.get("chat") is not None
         if chat:
-            prefix, content, suffix = chat_pieces(tokenizer, row["chat"])
-            body = content
+            body = [int(t) for t in tokenizer(row["chat"], add_special_tokens=False)["input_ids"]]
+            ids = chat_ids(tokenizer, row["chat"]) if body else []
         else:
             prefix, suffix = ([int(bos)] if bos is not None else []), []
             body = [int(t) for t in tokenizer(row["text"], add_special_tokens=False)["input_ids"]]
+            ids = prefix + body
         if not body:
             n_skip_empty += 1
             log.warning("workloads: skipped empty prompt %s (no tokens apart from BOS)", row["id"])
             continue
-        ids = chat_ids(tokenizer, row["chat"]) if chat else prefix + body
         original = len(ids)
         truncated = False
         if original > max_prompt_tokens:
@@ -82,6 +82,8 @@ def tokenize_suite(
                     "rule=skip)", row["id"], original, max_prompt_tokens,
                 )
                 continue
+            if chat:  # header and trailer tokenized apart only when the message must be cut
+                prefix, body, suffix = chat_pieces(tokenizer, row["chat"])
             keep = max_prompt_tokens - len(prefix) - len(suffix)
             if keep < 1:
                 raise ValueError(f"max_prompt_tokens={max_prompt_tokens} leaves no room for the content of "

@@ -29,5 +29,5 @@ include: "workflows/report.smk"
 
 rule all:
     input:
-        REPORT,
+        get_final_output(),
     default_target: True

@@ -13,35 +13,19 @@ import os
 import logging
 import sys
 from pathlib import Path
+from .registry import Registry
+from .runtime import config_from_args, load_for, set_threads
+from .argtypes import ArgumentParser, nonneg_int, positive_int, temperature
 from .workloads.prompts import read_prompts
 
 log = logging.getLogger("impl")
-
-
-def _config(args) -> dict:
-    from .config import config_from_json, load_config
-
-    if args.config_json:
-        text = args.config_json
-        if text.startswith("@"):
-            text = Path(text[1:]).read_text(encoding="utf-8")
-        return config_from_json(text)
-    if args.config:
-        return load_config(args.config)
-    raise SystemExit("error: pass --config FILE.yaml (or --config-json)")
-
-
-def _threads(cfg: dict) -> None:
-    import torch
-
-    torch.set_num_threads(cfg["threads"])
 
 
 # --------------------------------------------------------------------------- commands
 
 
 def cmd_validate(args) -> None:
-    cfg = _config(args)
+    cfg = config_from_args(args)
     print(f"config OK: {len(cfg['models'])} models, {len(cfg['workloads'])} workloads")
 
 
@@ -50,7 +34,7 @@ def cmd_tokenizer(args) -> None:
     from .models.tokenizer import train_tokenizer
     from .provenance import atomic_path
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     docs, meta = collect_documents(cfg["data_dir"], cfg["corpus"]["sources"], cfg["corpus"]["max_chars_per_source"])
     with atomic_path(args.out) as tmp:
         train_tokenizer(docs, cfg["tokenizer"]["vocab_size"], tmp)
@@ -65,7 +49,7 @@ def cmd_corpus(args) -> None:
     from .models.train import unigram_baseline
     from .provenance import atomic_path, provenance
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     tok = load_tokenizer(args.tokenizer, builder="tokenizer")
     docs, meta = collect_documents(cfg["data_dir"], cfg["corpus"]["sources"], cfg["corpus"]["max_chars_per_source"])
     # hold out every k-th document for validation (deterministic, spread over all sources)
@@ -94,7 +78,7 @@ def cmd_train(args) -> None:
     from .models.train import train_tiny
     from .provenance import atomic_path, provenance, write_json
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     if cfg["models"][args.model]["kind"] != "tiny":
         raise SystemExit(f"error: models.{args.model} is kind 'pretrained'; only tiny models are trained here")
     corpus = Path(args.corpus)
@@ -115,7 +99,7 @@ def cmd_convert_gguf(args) -> None:
     from .models.gguf import GGUFError, GGUFSource, convert_gguf
     from .provenance import atomic_path, provenance
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     m = cfg["models"].get(args.model)
     if m is None or "gguf" not in m:
         raise SystemExit(f"error: models.{args.model} has no 'gguf' source in the config")
@@ -140,11 +124,11 @@ def cmd_train_adapters(args) -> None:
     from .models.load import load_tokenizer
     from .provenance import atomic_path, provenance, write_json
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     if "dex" not in cfg:
         raise SystemExit("error: the config has no 'dex' section (adapter settings live in dex.adapters)")
     a = cfg["dex"]["adapters"]
-    model = _load(cfg, args.model_dir)
+    model = load_for(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
     depths = adapter_depths(cfg["dex"], num_layers(model))
     tcfg = AdapterTrainConfig(steps=a["steps"], batch_size=a["batch_size"], seq_len=a["seq_len"], lr=a["lr"],
@@ -164,7 +148,7 @@ def cmd_workload(args) -> None:
     from .provenance import write_jsonl
     from .workloads import DEFAULT_TEMPLATES, build_text_suite
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     w = cfg["workloads"][args.suite]
     rows = build_text_suite(args.suite, cfg["data_dir"], w["n_prompts"], cfg["seed"],
                             w.get("template", DEFAULT_TEMPLATES[args.suite]), chat=w.get("chat"))
@@ -174,35 +158,26 @@ def cmd_workload(args) -> None:
 
 def cmd_tokenize(args) -> None:
     from .models.load import load_tokenizer
-    from .provenance import read_jsonl, write_jsonl
+    from .provenance import write_jsonl
     from .workloads import tokenize_suite
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     tok = load_tokenizer(args.model_dir)
     rows, summary = tokenize_suite(read_prompts(args.prompts), tok, cfg["max_prompt_tokens"], cfg["overlong_prompt"])
     write_jsonl(args.out, rows)
     log.info("tokenized %s: %s", args.prompts, summary)
 
 
-def _load(cfg: dict, model_dir: str):
-    import torch
-
-    from .models.load import load_model
-
-    model = load_model(model_dir, dtype=getattr(torch, cfg["dtype"]), builder="train_model")
-    return model.to(cfg["device"])
-
-
 def cmd_ead(args) -> None:
     from .ead.measure import measure_suite
-    from .provenance import provenance, read_jsonl, write_jsonl
+    from .provenance import provenance, write_jsonl
 
     from .config import ead_prompt_limit
 
-    cfg = _config(args)
-    _threads(cfg)
+    cfg = config_from_args(args)
+    set_threads(cfg)
     prompts = read_prompts(args.prompts)[: ead_prompt_limit(cfg, args.model)]
-    model = _load(cfg, args.model_dir)
+    model = load_for(cfg, args.model_dir)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     n = args.max_new_tokens or cfg["ead"]["max_new_tokens"]
@@ -210,7 +185,7 @@ def cmd_ead(args) -> None:
     rows, errors = measure_suite(model, prompts, n, eos_token_id=eos, progress=not args.quiet)
     prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
     for r in rows + errors:
-        r.update(model=args.model, max_new_tokens=n, rule="greedy", **prov)
+        r.update(model=args.model, max_new_tokens=n, rule="greedy", batch_size=1, **prov)
     for e in errors:
         log.warning("prompt %s skipped: %s", e["prompt_id"], e["error"])
     write_jsonl(args.out, rows + errors)
@@ -223,11 +198,11 @@ def cmd_ead_shared(args) -> None:
     from .ead.shared import shared_rows
     from .provenance import provenance, read_jsonl, write_jsonl
 
-    cfg = _config(args)
-    _threads(cfg)
+    cfg = config_from_args(args)
+    set_threads(cfg)
     if len(args.models) != len(args.model_dirs) or len(args.models) != len(args.ead):
         raise SystemExit("error: --models, --model-dirs and --ead need one entry per model")
-    models = {m: _load(cfg, d) for m, d in zip(args.models, args.model_dirs)}
+    models = {m: load_for(cfg, d) for m, d in zip(args.models, args.model_dirs)}
     if len({m.config.vocab_size for m in models.values()}) != 1:
         raise SystemExit("error: shared-context EAD needs models with one tokenizer; vocab sizes differ: "
                          + ", ".join(f"{n}={m.config.vocab_size}" for n, m in models.items()))
@@ -244,12 +219,12 @@ def cmd_ead_shared(args) -> None:
 
 
 def cmd_ar_bench(args) -> None:
-    from .provenance import provenance, read_jsonl, write_jsonl
+    from .provenance import provenance, write_jsonl
     from .spec.ar import ar_decode
 
-    cfg = _config(args)
-    _threads(cfg)
-    model = _load(cfg, args.model_dir)
+    cfg = config_from_args(args)
+    set_threads(cfg)
+    model = load_for(cfg, args.model_dir)
     b = cfg["ar_bench"]
     from .config import ead_prompt_limit
 
@@ -275,7 +250,7 @@ def cmd_ar_bench(args) -> None:
                 "n_prompt_tokens": len(p["input_ids"]), "n_new_tokens": len(res.tokens),
                 "token_ids": res.tokens, "prefill_seconds": res.prefill_seconds,
                 "token_seconds": res.token_seconds, "stopped_at_eos": res.stopped_at_eos,
-                "warmup_prompts_excluded": b["warmup_prompts"], **prov,
+                "warmup_prompts_excluded": b["warmup_prompts"], "batch_size": 1, **prov,
             })
     write_jsonl(args.out, rows)
     log.info("%s: %d rows", args.out, len(rows))
@@ -287,18 +262,14 @@ def cmd_decode(args) -> None:
     from .methods import decode_prompts, parse_exploration_set
     from .models.depth import num_layers
     from .models.load import load_model, load_tokenizer
-    from .provenance import provenance, read_jsonl, write_jsonl
+    from .provenance import provenance, write_jsonl
     from .spec.sampling import DecodeRule
 
-    if args.max_new_tokens < 1:
-        raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise SystemExit(f"error: --temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.method != "dex" and (args.exploration_set or args.explorers or args.decs or args.single_exit
                                  or args.adapters):
         raise SystemExit("error: --exploration-set/--explorers/--decs/--single-exit/--adapters apply to --method dex only")
     torch.set_num_threads(args.threads)
-    model = load_model(args.model_dir)
+    model = load_model(args.model_dir, dtype=getattr(torch, args.dtype))
     tok = load_tokenizer(args.model_dir)
     params: dict = {}
     if args.params:
@@ -331,9 +302,10 @@ def cmd_decode(args) -> None:
                               eos, progress=not args.quiet, adapters=adapters)
     except (KeyError, TypeError) as e:
         raise SystemExit(f"error: bad --params for {args.method}: {e}") from None
-    prov = provenance({"method": args.method, **{k: str(v) for k, v in params.items()}}, seed=args.seed)
+    prov = provenance({"method": args.method, **{k: str(v) for k, v in params.items()}}, seed=args.seed,
+                      dtype=args.dtype)
     for r in rows:
-        r.update(model_dir=str(args.model_dir), **prov)
+        r.update(model_dir=str(args.model_dir), batch_size=1, **prov)
     write_jsonl(args.out, rows)
     bad = [r["prompt_id"] for r in rows if r.get("ar_match") is False]
     errs = [r["prompt_id"] for r in rows if "error" in r]
@@ -344,16 +316,16 @@ def cmd_decode(args) -> None:
 def cmd_dex_cell(args) -> None:
     from .dex.cell import dex_arms, run_cell, tune_baselines
     from .models.depth import num_layers
-    from .provenance import provenance, read_jsonl, write_jsonl
+    from .provenance import provenance, write_jsonl
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     if "dex" not in cfg:
         raise SystemExit("error: the config has no 'dex' section")
     d = cfg["dex"]
     import torch
 
     torch.set_num_threads(cfg["threads"])
-    model = _load(cfg, args.model_dir)
+    model = load_for(cfg, args.model_dir)
     adapters = None
     if args.adapters:
         from .models.adapters import load_adapters
@@ -374,9 +346,9 @@ def cmd_dex_cell(args) -> None:
         arms += extra
     rows = run_cell(model, prompts, arms, max_new_tokens=d["max_new_tokens"], eos=eos, seed=cfg["seed"],
                     adapters=adapters, progress=not args.quiet)
-    prov = provenance(cfg, seed=cfg["seed"])
+    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
     for r in rows:
-        r.update(kind="decode", variant=args.variant, num_layers=L, **prov)
+        r.update(kind="decode", variant=args.variant, num_layers=L, batch_size=1, **prov)
     for r in tuning:
         r.update(variant=args.variant, suite=suite[0].get("suite") if suite else None, num_layers=L, **prov)
     write_jsonl(args.out, tuning + rows)
@@ -414,7 +386,7 @@ def cmd_tables(args) -> None:
     from .report.tables import (ar_table, best_selection, ead_tables, load_rows, models_table,
                                 paired_model_comparison, training_table, write_table)
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     out = Path(args.out_dir)
     ead_all = load_rows(args.ead)
     ead = [r for r in ead_all if "error" not in r]
@@ -481,14 +453,15 @@ def cmd_report(args) -> None:
             names.append(os.path.relpath(c) if Path(c).resolve().is_relative_to(Path.cwd()) else c)
         except ValueError:
             names.append(c)
-    import importlib
+    from .report.markdown import REPORT_SECTIONS
 
     sections: list[str] = []
     for spec in args.section:
-        mod, _, tdir = spec.partition(":")
-        if not mod.startswith("impl.") or not tdir:
-            raise SystemExit(f"error: --section {spec!r} must be MODULE:TABLES_DIR with MODULE under impl")
-        sections += importlib.import_module(mod).report_section(tdir, fd, Path(args.out).parent)
+        name, _, tdir = spec.partition("=")
+        if name not in REPORT_SECTIONS or not tdir:
+            raise SystemExit(f"error: --section {spec!r} must be NAME=TABLES_DIR with NAME one of "
+                             f"{', '.join(REPORT_SECTIONS)}")
+        sections += REPORT_SECTIONS[name](tdir, fd, Path(args.out).parent)
     build_report(args.out, tables_dir=td, figures=figs, provenance=prov, config_name=" ".join(names),
                  prompt_errors=prov.get("prompt_errors", 0), sections=sections)
     print(f"report: {args.out}")
@@ -501,11 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .methods import METHODS
     from .workloads import SUITES
 
-    p = argparse.ArgumentParser(prog="python -m impl", description=__doc__,
+    p = ArgumentParser(prog="python -m impl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="cmd", required=True)
-    cfgp = argparse.ArgumentParser(add_help=False)
+    cfgp = ArgumentParser(add_help=False)
     g = cfgp.add_mutually_exclusive_group()
     g.add_argument("--config", help="YAML config (e.g. configs/default.yaml)")
     g.add_argument("--config-json", help="validated config as JSON text, or @FILE holding it (used by workflow rules)")
@@ -549,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--prompts", required=True, help="token-id JSONL (rows: id, input_ids)")
     sp.add_argument("--out", required=True)
-    sp.add_argument("--max-new-tokens", type=int, help="override ead.max_new_tokens")
+    sp.add_argument("--max-new-tokens", type=positive_int, help="override ead.max_new_tokens")
     sp = add("ead-shared", cmd_ead_shared,
              "stable EAD of several models teacher-forced on each other's generations (shared contexts)")
     sp.add_argument("--models", nargs="+", required=True, help="model names")
@@ -562,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--prompts", required=True)
     sp.add_argument("--out", required=True)
-    sp.add_argument("--max-new-tokens", type=int, help="override ar_bench.max_new_tokens")
+    sp.add_argument("--max-new-tokens", type=positive_int, help="override ar_bench.max_new_tokens")
     sp = add("decode", cmd_decode, "decode a prompt file with one method (ar, dex, self_spec, adadecode, dynamic_exit, hf_early_exit); "
              "each row checked against AR")
     sp.add_argument("--model-dir", required=True)
@@ -570,17 +543,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--params", help="baseline parameters as JSON, e.g. '{\"exit_layer\": 4, \"num_speculations\": 4}'")
     sp.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids or text")
     sp.add_argument("--out", required=True)
-    sp.add_argument("--max-new-tokens", type=int, default=64)
-    sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    sp.add_argument("--seed", type=int, default=0, help="seed of the per-position Gumbel noise")
+    sp.add_argument("--max-new-tokens", type=positive_int, default=64)
+    sp.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
+    sp.add_argument("--seed", type=nonneg_int, default=0, help="seed of the per-position Gumbel noise")
     sp.add_argument("--exploration-set", help="DEX: comma-separated depths ending at L, e.g. 4,8,12")
-    sp.add_argument("--explorers", type=int, help="DEX: K for the uniform set DEX-1/K")
+    sp.add_argument("--explorers", type=positive_int, help="DEX: K for the uniform set DEX-1/K")
     sp.add_argument("--decs", action="store_true", help="DEX: depth-coupled sampling (Algorithm 2)")
     sp.add_argument("--single-exit", action="store_true", help="DEX ablation: branch only from d_0 and L")
     sp.add_argument("--dedupe", action="store_true", help="DEX: reuse children of repeated candidates")
     sp.add_argument("--adapters", help="DEX: inducing adapter directory (train-adapters)")
     sp.add_argument("--ignore-eos", action="store_true")
-    sp.add_argument("--threads", type=int, default=1)
+    sp.add_argument("--threads", type=positive_int, default=1)
+    sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="weight and activation dtype (README: tolerance policy for bfloat16)")
     sp = add("dex-cell", cmd_dex_cell,
              "one DEX benchmark cell: AR, DEX-1/K, ablations and tuned baselines on one (model, workload)")
     sp.add_argument("--variant", required=True, help="name recorded in the rows (model, or model+ad)")
@@ -612,24 +587,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--config-name", default="configs/default.yaml")
     sp.add_argument("--section", action="append", default=[],
-                    help="MODULE:TABLES_DIR of a method family's report section (repeatable), e.g. "
-                         "impl.report.dex:results/tables/dex")
-    # method families register their own commands: a module with register(add), where
-    # add(name, fn, help) returns an argparse subparser that takes --config/--config-json
-    import importlib
-
-    for mod in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        module.register(add)
+                    help="NAME=TABLES_DIR of a method family's report section (repeatable; names in "
+                         "impl.report.markdown.REPORT_SECTIONS), e.g. dex=results/tables/dex")
+    # method families register their own commands (COMMANDS): register(add), where add(name, fn, help)
+    # returns an argparse subparser that takes --config/--config-json
+    for family in COMMANDS:
+        COMMANDS[family](add)
     return p
 
 
-COMMAND_MODULES = ("impl.tev.commands", "impl.serving.commands", "impl.vskipper.commands")
+#: command families of ``python -m impl`` beyond the foundation's: lazy ``module:register`` entries
+COMMANDS: Registry = Registry("command family")
+COMMANDS.register("tev", "impl.tev.commands:register")
+COMMANDS.register("vskipper-serving", "impl.vskipper.serving_commands:register")
+COMMANDS.register("vskipper-bench", "impl.vskipper.commands:register")
 
 
 def main(argv: list[str] | None = None) -> None:

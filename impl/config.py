@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import string
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from .registry import Registry
 from .workloads import SUITES, check_data
 from .models.corpus import SOURCES
 
@@ -185,72 +187,6 @@ SCHEMA: dict[str, Any] = {
                 },
             },
         },
-        "dex": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["models", "workloads"],
-            "description": "DEX experiments (Fig. 3, Fig. 4, Table 1); absent = no DEX rules",
-            "properties": {
-                "models": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                "workloads": {"type": "array", "items": {"enum": list(SUITES)}, "minItems": 1},
-                "n_prompts": {**_POS_INT, "description": "first n prompts of each frozen suite"},
-                "max_new_tokens": _POS_INT,
-                "stop_at_eos": {"type": "boolean"},
-                "explorers": {"type": "array", "items": _POS_INT, "minItems": 1,
-                              "description": "K of the uniform DEX-1/K sets; [] or absent = every K dividing L"},
-                "exploration_sets": {"type": "array", "items": {"type": "array", "items": _POS_INT, "minItems": 1},
-                                     "description": "extra (non-uniform) exploration sets"},
-                "dedupe": {"type": "boolean", "description": "merge repeated candidates of one slot (lossless)"},
-                "single_exit": {"type": "boolean", "description": "single-exit ablation for every K > 2"},
-                "distributed": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "description": "multi-process runs (one torch.distributed rank per explorer) on the first "
-                                   "dex model and workload, measuring communication per round",
-                    "properties": {"explorers": {"type": "array", "items": {"type": "integer", "minimum": 2}},
-                                   "n_prompts": _POS_INT, "max_new_tokens": _POS_INT},
-                },
-                "decs": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {"explorers": {"type": "array", "items": _POS_INT},
-                                   "temperatures": {"type": "array", "items": {"type": "number", "minimum": 0}}},
-                },
-                "adapters": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "models": {"type": "array", "items": {"type": "string"}},
-                        "steps": _POS_INT,
-                        "batch_size": _POS_INT,
-                        "seq_len": {"type": "integer", "minimum": 8},
-                        "lr": _POS_NUM,
-                        "position_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                        "max_chars": {"type": "integer", "minimum": 10000},
-                        "threads": _POS_INT,
-                    },
-                },
-                "baselines": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "tune_prompts": {**_POS_INT, "description": "prompts per workload used for tuning"},
-                        "self_spec": {"type": "object", "additionalProperties": False, "properties": {
-                            "exit_layers": {"type": "array", "items": _POS_INT, "minItems": 1},
-                            "num_speculations": {"type": "array", "items": _POS_INT, "minItems": 1}}},
-                        "adadecode": {"type": "object", "additionalProperties": False, "properties": {
-                            "shortcut_every": _POS_INT,
-                            "num_speculations": {"type": "array", "items": _POS_INT, "minItems": 1},
-                            "thresholds": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1},
-                                           "minItems": 1}}},
-                        "dynamic_exit": {"type": "boolean"},
-                        "hf_early_exit": {"type": "boolean",
-                                          "description": "transformers' assistant_early_exit at the tuned "
-                                                         "self_spec parameters, as a library reference arm"},
-                    },
-                },
-            },
-        },
         "ar_bench": {
             "type": "object",
             "additionalProperties": False,
@@ -278,18 +214,6 @@ DEFAULTS: dict[str, Any] = {
     "overlong_prompt": "truncate_left",
     "ar_bench": {"max_new_tokens": 64, "warmup_prompts": 2, "repetitions": 1},
 }
-DEX_DEFAULTS: dict[str, Any] = {
-    "n_prompts": 8, "max_new_tokens": 64, "stop_at_eos": True, "explorers": [], "exploration_sets": [],
-    "dedupe": True, "single_exit": True, "distributed": {"explorers": [2, 3], "n_prompts": 2, "max_new_tokens": 32},
-    "decs": {"explorers": [4], "temperatures": [0.0, 1.0]},
-    "adapters": {"models": [], "steps": 300, "batch_size": 8, "seq_len": 256, "lr": 5e-3,
-                 "position_fraction": 0.25, "max_chars": 4_000_000, "threads": 2},
-    "baselines": {"tune_prompts": 3,
-                  "self_spec": {"exit_layers": [1, 2, 3, 4, 6], "num_speculations": [2, 4, 6, 8]},
-                  "adadecode": {"shortcut_every": 2, "num_speculations": [2, 4, 6, 8],
-                                "thresholds": [0.2, 0.4, 0.6, 0.8]},
-                  "dynamic_exit": True, "hf_early_exit": True},
-}
 EAD_DEFAULTS = {"stop_at_eos": True, "num_speculations": [1, 4], "nested_chains": [[2, 4, 12], [3, 6, 12]]}
 
 
@@ -300,25 +224,18 @@ class ConfigError(ValueError):
 # Method families own their optional config section: a module exposing SECTION (JSON schema of the
 # section), DEFAULTS (merged under the user's values) and check(cfg) (cross-references; raises
 # ConfigError). Such modules must import nothing heavy (no torch): Snakemake imports them at parse time.
-SECTION_MODULES = {"tev": "impl.tev.schema", "vskipper": "impl.serving.schema"}
+CONFIG_SECTIONS: Registry = Registry("config section")
+CONFIG_SECTIONS.register("dex", "impl.dex.schema")
+CONFIG_SECTIONS.register("tev", "impl.tev.schema")
+CONFIG_SECTIONS.register("vskipper", "impl.vskipper.schema")
 
 
 def _section_module(name: str):
-    import importlib
-
-    try:
-        return importlib.import_module(SECTION_MODULES[name])
-    except ModuleNotFoundError:  # the family has not declared a section yet
-        return None
+    return CONFIG_SECTIONS[name]
 
 
 def _plugin_schemas() -> dict[str, Any]:
-    out = {}
-    for name in SECTION_MODULES:
-        mod = _section_module(name)
-        if mod is not None:
-            out[name] = mod.SECTION
-    return out
+    return {name: CONFIG_SECTIONS[name].SECTION for name in CONFIG_SECTIONS}
 
 
 def _merge(defaults: dict, cfg: dict) -> dict:
@@ -332,7 +249,7 @@ def _merge(defaults: dict, cfg: dict) -> dict:
 
 
 def _key_path(err: jsonschema.ValidationError) -> str:
-    parts = [str(p) for p in err.absolute_path]
+    parts = list(err.absolute_path)
     if err.validator == "additionalProperties" and isinstance(err.instance, dict):
         allowed = set(err.schema.get("properties", {}))
         extra = sorted(set(err.instance) - allowed)
@@ -340,12 +257,20 @@ def _key_path(err: jsonschema.ValidationError) -> str:
             parts.append(extra[0])
     elif err.validator == "propertyNames":
         parts.append(str(err.instance))
-    return ".".join(parts) or "<top level>"
+    return _join_key(parts) or "<top level>"
+
+
+def _join_key(parts: list[Any]) -> str:
+    """Key path in the one notation of every config error: ``ead.nested_chains[0]``, ``models.tiny-ls.kind``."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
 
 
 def full_schema() -> dict[str, Any]:
     """The JSON schema of the whole config: :data:`SCHEMA` plus the sections method families declare
-    (:data:`SECTION_MODULES`)."""
+    (:data:`CONFIG_SECTIONS`)."""
     schema = copy.deepcopy(SCHEMA)
     schema["properties"].update(_plugin_schemas())
     return schema
@@ -366,6 +291,7 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
     """
     if not isinstance(cfg, dict):
         raise ConfigError("config: top level must be a mapping")
+    _check_finite(cfg, "")
     validator = jsonschema.Draft202012Validator(full_schema())
     errors = sorted(validator.iter_errors(cfg), key=lambda e: (len(list(e.absolute_path)), str(e.absolute_path)))
     if errors:
@@ -383,7 +309,7 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
         if "gguf" in m and "path" not in m:
             m["path"] = str(Path(out["models_dir"]) / name)
     out["ead"] = _merge(EAD_DEFAULTS, out["ead"])
-    for name in SECTION_MODULES:
+    for name in CONFIG_SECTIONS:
         if name in out:
             mod = _section_module(name)
             out[name] = _merge(mod.DEFAULTS, out[name])
@@ -445,53 +371,16 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
             raise ConfigError(
                 f"config: 'ead.nested_chains[{i}]' = {chain} must be strictly increasing explorer counts K"
                 + (f" that divide tiny_arch.num_layers ({L})" if all_tiny else ""))
-    if "dex" in out:
-        out["dex"] = _merge(DEX_DEFAULTS, out["dex"])
-        _check_dex(out)
-    for name in SECTION_MODULES:
+    ctx = out["tiny_arch"]["max_position_embeddings"]
+    if any(m["kind"] == "tiny" for m in out["models"].values()) and out["training"]["seq_len"] > ctx:
+        raise ConfigError(f"config: 'training.seq_len' = {out['training']['seq_len']} exceeds "
+                          f"'tiny_arch.max_position_embeddings' = {ctx} (the tiny models' context)")
+    for name in CONFIG_SECTIONS:
         if name in out:
             _section_module(name).check(out)
     if check_paths:
         check_config_paths(out)
     return out
-
-
-def _check_dex(out: dict[str, Any]) -> None:
-    """Cross-checks of the ``dex`` section (names, and depths against L where every model is tiny)."""
-    d = out["dex"]
-    for key in ("models", "adapters.models"):
-        names = d["models"] if key == "models" else d["adapters"]["models"]
-        for i, m in enumerate(names):
-            if m not in out["models"]:
-                raise ConfigError(f"config: 'dex.{key}[{i}]' names '{m}', which is not a key of 'models'")
-    for i, m in enumerate(d["adapters"]["models"]):
-        if m not in d["models"]:
-            raise ConfigError(f"config: 'dex.adapters.models[{i}]' names '{m}', which is not in 'dex.models'")
-    for i, w in enumerate(d["workloads"]):
-        if w not in out["workloads"]:
-            raise ConfigError(f"config: 'dex.workloads[{i}]' names '{w}', which is not a key of 'workloads'")
-    if all(out["models"][m]["kind"] == "tiny" for m in d["models"]):
-        L = out["tiny_arch"]["num_layers"]
-        for i, k in enumerate(d["explorers"]):
-            if L % k:
-                raise ConfigError(f"config: 'dex.explorers[{i}]' = {k} does not divide tiny_arch.num_layers ({L})")
-        for i, k in enumerate(d["distributed"]["explorers"]):
-            if L % k:
-                raise ConfigError(f"config: 'dex.distributed.explorers[{i}]' = {k} does not divide tiny_arch.num_layers ({L})")
-        for i, k in enumerate(d["decs"]["explorers"]):
-            if L % k:
-                raise ConfigError(f"config: 'dex.decs.explorers[{i}]' = {k} does not divide tiny_arch.num_layers ({L})")
-        for i, xs in enumerate(d["exploration_sets"]):
-            if list(xs) != sorted(set(xs)) or xs[-1] != L or xs[0] < 1:
-                raise ConfigError(f"config: 'dex.exploration_sets[{i}]' = {xs} must be strictly increasing depths "
-                                  f"in [1, {L}] ending at L = {L}")
-        for i, e in enumerate(d["baselines"]["self_spec"]["exit_layers"]):
-            if not 1 <= e < L:
-                raise ConfigError(f"config: 'dex.baselines.self_spec.exit_layers[{i}]' = {e} is outside [1, {L - 1}]")
-    need = out["max_prompt_tokens"] + d["max_new_tokens"]
-    if any(out["models"][m]["kind"] == "tiny" for m in d["models"]) and need > out["tiny_arch"]["max_position_embeddings"]:
-        raise ConfigError(f"config: 'max_prompt_tokens' + 'dex.max_new_tokens' = {need} exceeds "
-                          f"'tiny_arch.max_position_embeddings'")
 
 
 def check_config_paths(cfg: dict[str, Any]) -> None:
@@ -512,13 +401,13 @@ def check_config_paths(cfg: dict[str, Any]) -> None:
         except FileNotFoundError as e:
             raise ConfigError(f"config: workloads.{suite}: {e}") from None
     if any(m["kind"] == "tiny" for m in cfg["models"].values()):
-        from .models.corpus import _need
+        from .models.corpus import need_file
 
         need = {"gsm8k_train": "gsm8k/train.jsonl", "sharegpt": "chat/sharegpt_v3_subset.jsonl"}
         for src in cfg["corpus"]["sources"]:
             if src in need:
                 try:
-                    _need(data_dir / need[src])
+                    need_file(data_dir / need[src])
                 except FileNotFoundError as e:
                     raise ConfigError(f"config: corpus.sources ({src}): {e}") from None
     for name, m in cfg["models"].items():
@@ -537,19 +426,71 @@ def check_config_paths(cfg: dict[str, Any]) -> None:
                 "(no config.json); download the weights on a machine with access and set the path")
 
 
-def load_config(path: str | Path, *, check_paths: bool = True) -> dict[str, Any]:
-    """Read a YAML config file and validate it (see :func:`validate_config`).
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML safe loader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # unhashable key: let PyYAML report it
+                continue
+            if first is not None:
+                raise _DuplicateKey(None, None, f"key {key!r} given twice (first at line {first.line + 1})",
+                                    key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML config file strictly: duplicated keys are errors; errors name line and column.
 
     Raises:
-        ConfigError: missing/unparsable file, or an invalid config (one line, naming the key).
+        ConfigError: the file is missing, unreadable, not valid YAML (``FILE:LINE:COL: problem``), or
+            holds a key twice in one mapping.
     """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
+        return yaml.load(p.read_text(encoding="utf-8"), Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
+        what = "; ".join(x for x in (e.context, e.problem) if x) or str(e).splitlines()[0]
+        if isinstance(e, _DuplicateKey):
+            raise ConfigError(f"config file {where}: {what}") from None
+        raise ConfigError(f"config file {where}: not valid YAML: {what}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def _check_finite(obj: Any, where: str) -> None:
+    """Refuse NaN / infinity anywhere in a config (YAML ``.nan``, ``.inf``): no setting means them."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        raise ConfigError(f"config: bad value for '{where or '<top>'}': {obj!r} is not a finite number")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_finite(v, _join_key([where, k]) if where else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_finite(v, f"{where}[{i}]")
+
+
+def load_config(path: str | Path, *, check_paths: bool = True) -> dict[str, Any]:
+    """Read a YAML config file (:func:`read_yaml`) and validate it (see :func:`validate_config`).
+
+    Raises:
+        ConfigError: missing/unparsable file, a duplicated key, or an invalid config (one line, naming the
+            key).
+    """
+    raw = read_yaml(path)
     return validate_config(raw or {}, check_paths=check_paths)
 
 

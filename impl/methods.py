@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from .registry import Registry
 from .spec.ar import ar_decode
 from .spec.sampling import DecodeRule
 
-METHODS = ("ar", "dex", "self_spec", "adadecode", "dynamic_exit", "hf_early_exit")
 BASELINE_PARAMS = {
     "self_spec": ("exit_layer", "num_speculations"),
     "adadecode": ("shortcut_layers", "threshold", "num_speculations"),
@@ -41,9 +41,14 @@ def parse_exploration_set(text: str | None, explorers: int | None, L: int) -> tu
     return validate_exploration_set(xs, L)
 
 
+#: the decoding methods by name: builders ``(model, rule, params, adapters, L) -> decode function``
+METHODS: Registry[Callable[..., Callable[[list[int], int, int | None], dict]]] = Registry("method")
+
+
 def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
                  adapters: dict | None = None) -> Callable[[list[int], int, int | None], dict]:
-    """A function ``(input_ids, max_new_tokens, eos_token_id) -> row fields`` for method ``name``.
+    """A function ``(input_ids, max_new_tokens, eos_token_id) -> row fields`` for method ``name``
+    (a name of :data:`METHODS`).
 
     Every method's fields include ``token_ids``, ``seconds`` (wall time of the decode, s),
     ``stopped_at_eos`` and ``critical_layers_total``: the depth-side critical path of the whole
@@ -66,122 +71,137 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
     """
     from .models.depth import num_layers
 
-    L = num_layers(model)
-    if name == "ar":
-        def run_ar(ids, n, eos):
-            t0 = time.perf_counter()
-            r = ar_decode(model, ids, n, eos_token_id=eos, rule=rule)
-            return {"token_ids": r.tokens, "seconds": time.perf_counter() - t0,
-                    "stopped_at_eos": r.stopped_at_eos, "critical_layers_total": L * len(r.tokens)}
-        return run_ar
-    if name == "dex":
-        from .dex import DEXDecoder, ReferenceExecutor
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    return METHODS[name](model, rule, params, adapters, num_layers(model))
 
-        from .models.adapters import select_adapters
 
-        X = tuple(params["exploration_set"])
-        K = len(X)
-        branch = {0, K - 1} if params.get("single_exit") else None
-        used = select_adapters(adapters, X)
+@METHODS.register("ar")
+def _ar(model, rule: DecodeRule, params: dict, adapters, L: int):
+    def run_ar(ids, n, eos):
+        t0 = time.perf_counter()
+        r = ar_decode(model, ids, n, eos_token_id=eos, rule=rule)
+        return {"token_ids": r.tokens, "seconds": time.perf_counter() - t0,
+                "stopped_at_eos": r.stopped_at_eos, "critical_layers_total": L * len(r.tokens)}
+    return run_ar
 
-        def run_dex(ids, n, eos):
-            ex = ReferenceExecutor(model, X, rule=rule, adapters=used)
-            dec = DEXDecoder(ex, decs=bool(params.get("decs")), branch_stages=branch,
-                             dedupe=bool(params.get("dedupe")))
-            t0 = time.perf_counter()
-            r = dec.decode(ids, n, eos_token_id=eos)
-            return {
-                "token_ids": r.tokens,
-                "seconds": time.perf_counter() - t0,
-                "stopped_at_eos": r.stopped_at_eos,
-                "critical_path_seconds": r.critical_path_seconds,
-                "prefill_seconds": r.prefill_seconds,
-                "sequential_seconds": r.sequential_seconds,
-                "profile": r.profile,
-                "rounds": [m.rounds for m in r.metrics],
-                "match_index": [m.match_index for m in r.metrics],
-                "match_depth": [m.match_depth for m in r.metrics],
-                "critical_layers": [m.critical_layers for m in r.metrics],
-                "critical_layers_total": sum(m.critical_layers for m in r.metrics),
-                "round_seconds": r.round_seconds,
-                "adapters": bool(used),
-                "max_lattice": [max(m.lattice_sizes) for m in r.metrics],
-                "etks": [m.etks for m in r.metrics],
-                "exploration_set": list(X),
-            }
-        return run_dex
-    if name == "hf_early_exit":
-        from .spec.hf_early_exit import check_hf_early_exit_params, hf_early_exit_decode
 
-        unknown = sorted(set(params) - {"exit_layer", "num_speculations"})
-        missing = [k for k in ("exit_layer", "num_speculations") if k not in params]
-        if unknown or missing:
-            raise ValueError(f"hf_early_exit: unknown {unknown} / missing {missing} parameter(s); "
-                             "needs exit_layer, num_speculations")
-        if rule.temperature != 0:
-            raise ValueError("hf_early_exit runs greedy only (transformers' sampler draws its own noise, so its "
-                             "samples cannot be compared token for token with AR's)")
-        check_hf_early_exit_params(L, params["exit_layer"], params["num_speculations"])
+@METHODS.register("dex")
+def _dex(model, rule: DecodeRule, params: dict, adapters, L: int):
+    from .dex import DEXDecoder, ReferenceExecutor
+    from .models.adapters import select_adapters
 
-        def run_hf(ids, n, eos):
-            r = hf_early_exit_decode(model, ids, n, exit_layer=params["exit_layer"],
-                                     num_speculations=params["num_speculations"], eos_token_id=eos)
-            return {"token_ids": r.tokens, "seconds": r.seconds, "stopped_at_eos": r.stopped_at_eos,
-                    "critical_layers_total": r.critical_layers, "draft_passes": r.draft_passes,
-                    "verify_passes": r.verify_passes}
-        return run_hf
-    if name in BASELINE_PARAMS:
-        unknown = sorted(set(params) - set(BASELINE_PARAMS[name]))
-        if unknown:
-            raise ValueError(f"{name}: unknown parameter(s) {unknown}; allowed: {', '.join(BASELINE_PARAMS[name])}")
-        required = {"self_spec": ("exit_layer", "num_speculations"),
-                    "adadecode": ("shortcut_layers", "threshold", "num_speculations")}.get(name, ())
-        missing = [k for k in required if k not in params]
-        if missing:
-            raise ValueError(f"{name}: missing parameter(s) {missing}; needs {', '.join(required)}")
-        # every value checked once here, before any prompt is decoded (the decoders check again)
-        if name == "self_spec":
-            from .spec.self_spec import check_self_spec_params
+    X = tuple(params["exploration_set"])
+    K = len(X)
+    branch = {0, K - 1} if params.get("single_exit") else None
+    used = select_adapters(adapters, X)
 
-            check_self_spec_params(L, params["exit_layer"], params["num_speculations"])
-        elif name == "adadecode":
-            from .spec.adadecode import check_adadecode_params
+    def run_dex(ids, n, eos):
+        ex = ReferenceExecutor(model, X, rule=rule, adapters=used)
+        dec = DEXDecoder(ex, decs=bool(params.get("decs")), branch_stages=branch,
+                         dedupe=bool(params.get("dedupe")))
+        t0 = time.perf_counter()
+        r = dec.decode(ids, n, eos_token_id=eos)
+        return {
+            "token_ids": r.tokens,
+            "seconds": time.perf_counter() - t0,
+            "stopped_at_eos": r.stopped_at_eos,
+            "critical_path_seconds": r.critical_path_seconds,
+            "prefill_seconds": r.prefill_seconds,
+            "sequential_seconds": r.sequential_seconds,
+            "profile": r.profile,
+            "rounds": [m.rounds for m in r.metrics],
+            "match_index": [m.match_index for m in r.metrics],
+            "match_depth": [m.match_depth for m in r.metrics],
+            "critical_layers": [m.critical_layers for m in r.metrics],
+            "critical_layers_total": sum(m.critical_layers for m in r.metrics),
+            "round_seconds": r.round_seconds,
+            "adapters": bool(used),
+            "max_lattice": [max(m.lattice_sizes) for m in r.metrics],
+            "etks": [m.etks for m in r.metrics],
+            "exploration_set": list(X),
+        }
+    return run_dex
 
-            check_adadecode_params(L, params["shortcut_layers"], params["threshold"], params["num_speculations"])
-        else:
-            from .spec.dynamic_exit import check_dynamic_exit_params
 
-            check_dynamic_exit_params(L, params.get("exit_layers"), params.get("num_speculations", 8),
-                                      params.get("confidence_threshold", 0.5))
-        if name == "self_spec":
-            from .spec.self_spec import self_spec_decode
+def _check_names(name: str, params: dict, allowed: tuple[str, ...], required: tuple[str, ...]) -> None:
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(f"{name}: unknown parameter(s) {unknown}; allowed: {', '.join(allowed)}")
+    missing = [k for k in required if k not in params]
+    if missing:
+        raise ValueError(f"{name}: missing parameter(s) {missing}; needs {', '.join(required)}")
 
-            call = lambda ids, n, eos: self_spec_decode(  # noqa: E731
-                model, ids, n, exit_layer=params["exit_layer"], num_speculations=params["num_speculations"],
-                rule=rule, eos_token_id=eos)
-        elif name == "adadecode":
-            from .spec.adadecode import adadecode_decode
 
-            call = lambda ids, n, eos: adadecode_decode(  # noqa: E731
-                model, ids, n, shortcut_layers=params["shortcut_layers"], threshold=params["threshold"],
-                max_speculations=params["num_speculations"], rule=rule, eos_token_id=eos)
-        else:
-            from .spec.dynamic_exit import dynamic_exit_decode
+def _spec_row(call):
+    """Decode function of a speculative baseline: its result as row fields."""
+    def run_baseline(ids, n, eos):
+        t0 = time.perf_counter()
+        r = call(ids, n, eos)
+        return {"token_ids": r.tokens, "seconds": time.perf_counter() - t0, "stopped_at_eos": r.stopped_at_eos,
+                "critical_layers_total": r.critical_layers, "layer_work_total": r.layer_work,
+                "spec_rounds": len(r.rounds), "drafted": sum(x.drafted for x in r.rounds),
+                "accepted": sum(x.accepted for x in r.rounds)}
+    return run_baseline
 
-            kw = {k: params[k] for k in ("exit_layers", "confidence_threshold") if k in params}
-            if "num_speculations" in params:
-                kw["max_speculations"] = params["num_speculations"]
-            call = lambda ids, n, eos: dynamic_exit_decode(model, ids, n, rule=rule, eos_token_id=eos, **kw)  # noqa: E731
 
-        def run_baseline(ids, n, eos):
-            t0 = time.perf_counter()
-            r = call(ids, n, eos)
-            return {"token_ids": r.tokens, "seconds": time.perf_counter() - t0, "stopped_at_eos": r.stopped_at_eos,
-                    "critical_layers_total": r.critical_layers, "layer_work_total": r.layer_work,
-                    "spec_rounds": len(r.rounds), "drafted": sum(x.drafted for x in r.rounds),
-                    "accepted": sum(x.accepted for x in r.rounds)}
-        return run_baseline
-    raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+@METHODS.register("self_spec")
+def _self_spec(model, rule: DecodeRule, params: dict, adapters, L: int):
+    from .spec.self_spec import check_self_spec_params, self_spec_decode
+
+    _check_names("self_spec", params, BASELINE_PARAMS["self_spec"], ("exit_layer", "num_speculations"))
+    # every value checked once here, before any prompt is decoded (the decoders check again)
+    check_self_spec_params(L, params["exit_layer"], params["num_speculations"])
+    return _spec_row(lambda ids, n, eos: self_spec_decode(
+        model, ids, n, exit_layer=params["exit_layer"], num_speculations=params["num_speculations"],
+        rule=rule, eos_token_id=eos))
+
+
+@METHODS.register("adadecode")
+def _adadecode(model, rule: DecodeRule, params: dict, adapters, L: int):
+    from .spec.adadecode import adadecode_decode, check_adadecode_params
+
+    _check_names("adadecode", params, BASELINE_PARAMS["adadecode"], ("shortcut_layers", "threshold", "num_speculations"))
+    check_adadecode_params(L, params["shortcut_layers"], params["threshold"], params["num_speculations"])
+    return _spec_row(lambda ids, n, eos: adadecode_decode(
+        model, ids, n, shortcut_layers=params["shortcut_layers"], threshold=params["threshold"],
+        max_speculations=params["num_speculations"], rule=rule, eos_token_id=eos))
+
+
+@METHODS.register("dynamic_exit")
+def _dynamic_exit(model, rule: DecodeRule, params: dict, adapters, L: int):
+    from .spec.dynamic_exit import check_dynamic_exit_params, dynamic_exit_decode
+
+    _check_names("dynamic_exit", params, BASELINE_PARAMS["dynamic_exit"], ())
+    check_dynamic_exit_params(L, params.get("exit_layers"), params.get("num_speculations", 8),
+                              params.get("confidence_threshold", 0.5))
+    kw = {k: params[k] for k in ("exit_layers", "confidence_threshold") if k in params}
+    if "num_speculations" in params:
+        kw["max_speculations"] = params["num_speculations"]
+    return _spec_row(lambda ids, n, eos: dynamic_exit_decode(model, ids, n, rule=rule, eos_token_id=eos, **kw))
+
+
+@METHODS.register("hf_early_exit")
+def _hf_early_exit(model, rule: DecodeRule, params: dict, adapters, L: int):
+    from .spec.hf_early_exit import check_hf_early_exit_params, hf_early_exit_decode
+
+    unknown = sorted(set(params) - {"exit_layer", "num_speculations"})
+    missing = [k for k in ("exit_layer", "num_speculations") if k not in params]
+    if unknown or missing:
+        raise ValueError(f"hf_early_exit: unknown {unknown} / missing {missing} parameter(s); "
+                         "needs exit_layer, num_speculations")
+    if rule.temperature != 0:
+        raise ValueError("hf_early_exit runs greedy only (transformers' sampler draws its own noise, so its "
+                         "samples cannot be compared token for token with AR's)")
+    check_hf_early_exit_params(L, params["exit_layer"], params["num_speculations"])
+
+    def run_hf(ids, n, eos):
+        r = hf_early_exit_decode(model, ids, n, exit_layer=params["exit_layer"],
+                                 num_speculations=params["num_speculations"], eos_token_id=eos)
+        return {"token_ids": r.tokens, "seconds": r.seconds, "stopped_at_eos": r.stopped_at_eos,
+                "critical_layers_total": r.critical_layers, "draft_passes": r.draft_passes,
+                "verify_passes": r.verify_passes}
+    return run_hf
 
 
 def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: dict, rule: DecodeRule,

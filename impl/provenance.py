@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -115,20 +116,44 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def strict_json(obj: Any, **kw) -> str:
+    """``json.dumps`` that always yields strict JSON (RFC 8259): non-finite floats become ``null``.
+
+    Python's default writes ``NaN`` / ``Infinity``, which strict parsers (``jq``, browsers, pandas with
+    ``engine="pyarrow"``) reject. The common path (no such float) costs one ``dumps``.
+    """
+    try:
+        return json.dumps(obj, allow_nan=False, default=_json_default, **kw)
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False, default=_json_default, **kw)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if hasattr(obj, "tolist") and not isinstance(obj, (str, bytes)):  # numpy / torch scalars and arrays
+        return _finite(obj.tolist())
+    return obj
+
+
 def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> int:
-    """Write rows as JSON Lines atomically; return the number of rows written."""
+    """Write rows as strict JSON Lines atomically (non-finite floats as ``null``); return the row count."""
     n = 0
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
         for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False, default=_json_default) + "\n")
+            fh.write(strict_json(row, ensure_ascii=False) + "\n")
             n += 1
     return n
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write one JSON document atomically (indented, keys sorted)."""
+    """Write one strict JSON document atomically (indented, keys sorted, non-finite floats as ``null``)."""
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True, ensure_ascii=False, default=_json_default)
+        fh.write(strict_json(obj, indent=2, sort_keys=True, ensure_ascii=False))
         fh.write("\n")
 
 

@@ -75,3 +75,26 @@ def save_wide_llama(out_dir, tokenizer, max_position_embeddings: int = 128, voca
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return model
+
+
+def smoke_snakemake(out: Path, data_dir: Path, *extra: str, **kw):
+    """``snakemake --cores 2`` on configs/smoke.yaml with every output under ``out`` (a Popen)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--nolock", "--configfile", "configs/smoke.yaml",
+           "--config", f"data_dir={data_dir}", f"results_dir={out}/results", f"figures_dir={out}/figures",
+           f"models_dir={out}/models", f"logs_dir={out}/logs", *extra]
+    return subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory, data_dir):
+    """The smoke DAG run once per session (real data, tiny models trained in it); tests read its outputs
+    or copy them, never change them."""
+    out = tmp_path_factory.mktemp("smoke")
+    p = smoke_snakemake(out, data_dir)
+    log, _ = p.communicate(timeout=1800)
+    assert p.returncode == 0, log[-4000:]
+    return out

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from impl.config import DEX_DEFAULTS
+from impl.dex.schema import DEFAULTS as DEX_DEFAULTS
 from impl.dex.cell import Arm, adapter_depths, dex_arms, exploration_sets, predicted_match_index, run_cell, set_name
 from impl.report.dex import dex_tables
 

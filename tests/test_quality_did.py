@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from impl.quality.arms import GenRecord, StopRule, encode_context, prompt_hash  # noqa: E402
+from impl.vskipper.quality_arms import GenRecord, StopRule, encode_context, prompt_hash  # noqa: E402
 from impl.quality.did import (  # noqa: E402
     PromptMismatchError,
     check_prompt_hashes,

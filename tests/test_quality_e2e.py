@@ -24,7 +24,7 @@ pytest.importorskip("lm_eval")
 from impl.models.tiny import TinyArch  # noqa: E402
 from impl.provenance import read_jsonl  # noqa: E402
 from impl.quality import PromptMismatchError  # noqa: E402
-from impl.quality.run import run_quality  # noqa: E402
+from impl.vskipper.quality_run import run_quality  # noqa: E402
 from impl.quality.tasks import TaskOptions  # noqa: E402
 from impl.vskipper import RandomSkip, StaticDepthSkipper, routed_cb_config  # noqa: E402
 
@@ -169,7 +169,7 @@ def test_random_skip_completes_with_matching_hashes(model_dir, data_dir, tmp_pat
 
 
 def test_prompt_mismatch_refused(model_dir, data_dir, tmp_path, monkeypatch):
-    import impl.quality.arms as arms
+    import impl.vskipper.quality_arms as arms
 
     real = arms.encode_context
 
@@ -187,8 +187,8 @@ def test_prompt_mismatch_refused_over_http(model_dir, data_dir, tmp_path, monkey
     """The served arm's client tokenizes differently from arm A (the last prompt token becomes the special
     token, a change that commutes with lm-eval's left truncation): the server's engine receives those
     ids, they are recorded, and the gate refuses."""
-    import impl.quality.arms as arms
-    from impl.quality.arms import RecordingCompletionsLM
+    import impl.vskipper.quality_arms as arms
+    from impl.vskipper.quality_arms import RecordingCompletionsLM
 
     real = arms.encode_context
     seen = {}

@@ -51,7 +51,7 @@ def test_quality_defaults_fill_in():
     assert out["vskipper"]["quality"]["served"] == {"point": "knee", "workload": None, "requests": 0}
     assert validate_config(_cfg({"tasks": ["bbh"], "served": None}), check_paths=False)["vskipper"]["quality"][
         "served"] is None
-    from impl.serving.schema import served_knee_workload
+    from impl.vskipper.schema import served_knee_workload
 
     v = out["vskipper"]
     assert served_knee_workload(v, "gsm8k") == "gsm8k" and served_knee_workload(v, "bbh") == v["workloads"][0]
@@ -61,7 +61,7 @@ def test_quality_defaults_fill_in():
 
 @pytest.mark.parametrize("quality, key", [
     ({"limit": 3}, "vskipper.quality"),
-    ({"tasks": ["mmlu"]}, "vskipper.quality.tasks.0"),
+    ({"tasks": ["mmlu"]}, "vskipper.quality.tasks[0]"),
     ({"tasks": ["gsm8k"], "limit": 0}, "vskipper.quality.limit"),
     ({"tasks": ["gsm8k"], "bogus": 1}, "vskipper.quality.bogus"),
     ({"tasks": ["gsm8k"], "tol": 0}, "vskipper.quality.tol"),
@@ -69,7 +69,7 @@ def test_quality_defaults_fill_in():
     ({"tasks": ["gsm8k"], "max_gen_toks": {"gsm8k": 0}}, "vskipper.quality.max_gen_toks.gsm8k"),
     ({"tasks": ["gsm8k"], "max_gen_toks": {"mmlu": 8}}, "vskipper.quality.max_gen_toks.mmlu"),
     ({"tasks": ["coqa"], "max_gen_toks": {"coqa": 300}}, "vskipper.quality.max_gen_toks.coqa"),
-    ({"tasks": ["bbh"], "bbh_subtasks": ["Bad-Name"]}, "vskipper.quality.bbh_subtasks.0"),
+    ({"tasks": ["bbh"], "bbh_subtasks": ["Bad-Name"]}, "vskipper.quality.bbh_subtasks[0]"),
     ({"tasks": ["bbh"], "bbh_subtasks": ["navigate", "no_such_task"]}, "vskipper.quality.bbh_subtasks[1]"),
     ({"tasks": ["gsm8k"], "served": {"point": "peak"}}, "vskipper.quality.served.point"),
     ({"tasks": ["gsm8k"], "served": {"workload": "xsum"}}, "vskipper.quality.served.workload"),
@@ -109,7 +109,7 @@ def _write_rows(path, rows):
 
 
 def test_table5_and_first_token_from_rows(tmp_path):
-    from impl.serving.report import QUALITY_TABLE_NAMES, TABLE_NAMES, quality_section_lines, vskipper_tables
+    from impl.vskipper.serving_report import QUALITY_TABLE_NAMES, TABLE_NAMES, quality_section_lines, vskipper_tables
     from impl.report.tables import write_table
 
     g = [_summary_row("gsm8k", "exact_match,strict-match", primary=False),
@@ -140,7 +140,7 @@ def test_table5_and_first_token_from_rows(tmp_path):
     assert [ln for ln in lines if ln.startswith("- first-token agreement C vs A")][0].endswith("**PASS**")
     assert "resolved DiD on 1/2 suites" in text and "| vsk_bbh_navigate |" in text
     # the vSkipper report section carries the quality lines
-    from impl.serving.report import report_section
+    from impl.vskipper.serving_report import report_section
 
     assert "### Task quality: the 2x2 difference-in-differences (Table 5 left shape; App. E.1)" in report_section(
         out, tmp_path / "figs", tmp_path)
@@ -150,7 +150,7 @@ def test_table5_and_first_token_from_rows(tmp_path):
 
 def test_gate_and_agreement_failures_are_reported(tmp_path):
     from impl.report.tables import write_table
-    from impl.serving.report import quality_section_lines, vskipper_tables
+    from impl.vskipper.serving_report import quality_section_lines, vskipper_tables
 
     rows = [_summary_row("coqa", "f1,none", n=2),
             {"kind": "rejected", "suite": "gsm8k", "reason": "prompt-hash gate",
@@ -178,7 +178,7 @@ def _served_row(suite, metric, *, task=None, primary=True, n=4, diff=(0.0, -2.0,
 
 def test_table5_served_from_rows(tmp_path):
     from impl.report.tables import write_table
-    from impl.serving.report import (QUALITY_SERVED_TABLE_NAMES, QUALITY_TABLE_NAMES, TABLE_NAMES,
+    from impl.vskipper.serving_report import (QUALITY_SERVED_TABLE_NAMES, QUALITY_TABLE_NAMES, TABLE_NAMES,
                                      quality_served_section_lines, report_section, vskipper_tables)
 
     rows = [_served_row("coqa", "f1,none", diff=(-0.05, -1.76, 1.66, False)),
@@ -311,7 +311,7 @@ def test_quality_tables_from_the_command(tiny_quality, tmp_path):
     t5 = pd.read_csv(out / "vskipper_table5.csv")
     assert set(t5["suite"]) == {f.stem for f in files} and (t5["gate"] == "PASS").all()
     assert (out / "vskipper_first_token.md").is_file() and (out / "vskipper_gate.csv").is_file()
-    from impl.serving.report import quality_section_lines
+    from impl.vskipper.serving_report import quality_section_lines
 
     text = "\n".join(quality_section_lines(out))
     assert "**PASS**" in text and "FAIL" not in text

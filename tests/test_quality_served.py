@@ -20,8 +20,8 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from impl.quality.arms import prompt_hash  # noqa: E402
-from impl.quality.served import (  # noqa: E402
+from impl.vskipper.quality_arms import prompt_hash  # noqa: E402
+from impl.vskipper.quality_served import (  # noqa: E402
     StreamRequest,
     build_stream,
     doc_requests,
@@ -153,9 +153,9 @@ def test_served_summary_is_paired_per_document():
 def test_replay_lm_gate(tiny_tokenizer):
     from lm_eval.api.instance import Instance
 
-    from impl.quality.arms import encode_context
+    from impl.vskipper.quality_arms import encode_context
     from impl.quality.did import PromptMismatchError
-    from impl.quality.served import ReplayLM
+    from impl.vskipper.quality_served import ReplayLM
 
     ctx = "Question: how many apples?\nAnswer:"
     ids = encode_context(tiny_tokenizer, ctx, 512 - 8)
@@ -186,7 +186,7 @@ def quality_run(tmp_path_factory, tiny_tokenizer, data_dir):
     """A tiny random 4-layer Llama (context 512) and a quality run over HTTP with RandomSkip on GSM8K
     (3 documents) and CoQA (2): the requests the served pass replays, and arm D's records."""
 
-    from impl.quality.run import run_quality
+    from impl.vskipper.quality_run import run_quality
     from impl.quality.tasks import TaskOptions
     from impl.vskipper import RandomSkip, routed_cb_config
 
@@ -207,7 +207,7 @@ PADS = [{"id": f"p{i}", "input_ids": list(range(5 + i, 25 + i))} for i in range(
 
 
 def _served(q, suite, switch, out, **kw):
-    from impl.quality.served import run_served_knee
+    from impl.vskipper.quality_served import run_served_knee
 
     run = q["runs"][suite]
     limit = {"gsm8k": 3, "coqa": 2}[suite]
@@ -274,7 +274,7 @@ def test_served_knee_pass_dense_decode_hybrid(quality_run, tmp_path, data_dir):
 
 
 def test_served_knee_pass_refuses_bad_input(quality_run, tmp_path, data_dir):
-    from impl.quality.served import run_served_knee
+    from impl.vskipper.quality_served import run_served_knee
     from impl.vskipper import ModeSwitch
 
     q = {**quality_run, "data_dir": data_dir}

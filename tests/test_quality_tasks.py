@@ -13,7 +13,7 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.model import LM  # noqa: E402
 
-from impl.quality.run import offline  # noqa: E402
+from impl.vskipper.quality_run import offline  # noqa: E402
 from impl.quality.tasks import QUALITY_SUITES, TaskOptions, bbh_task_names, write_task_yamls  # noqa: E402
 from impl.workloads.suites import DEFAULT_TEMPLATES, load_records  # noqa: E402
 

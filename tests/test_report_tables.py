@@ -1,7 +1,5 @@
 """Tables from synthetic raw rows: hand-checkable summaries, S_X, paired comparison, AR table."""
 
-import numpy as np
-import pandas as pd
 import pytest
 
 from impl.report.tables import ar_table, best_selection, ead_tables, paired_model_comparison

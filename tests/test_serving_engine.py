@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from impl.serving import (ContinuousBatchingArm, Request, check_matched, poisson_arrivals, record_lengths,
                           replay_requests, run_cell, run_load)
-from impl.vskipper import RandomSkip, bind_skipper, routed_cb_config
+from impl.vskipper import RandomSkip, bind_skipper, routed_cb_config, routed_context
 
 NEW = 12
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [1, 2, 3],
@@ -96,8 +96,11 @@ def test_natural_run_and_exact_ignore_eos_replay(model):
 def test_matched_cell_dense_vs_routed(model):
     bound = copy.deepcopy(model)
     bind_skipper(bound, RandomSkip(routed_layers=[1], r=0.5, d=1.0, seed=1))
-    arms = {"upstream": ContinuousBatchingArm(bound, "upstream", cb_config=_cb(), eos_token_id=7, mode="dense"),
-            "vskipper": ContinuousBatchingArm(bound, "vskipper", cb_config=_cb(), eos_token_id=7, mode="routed")}
+    ctx = routed_context(bound)
+    arms = {"upstream": ContinuousBatchingArm(bound, "upstream", cb_config=_cb(), eos_token_id=7, mode="dense",
+                                              binding=ctx),
+            "vskipper": ContinuousBatchingArm(bound, "vskipper", cb_config=_cb(), eos_token_id=7, mode="routed",
+                                              binding=ctx)}
     res = run_cell(arms, _requests(), cell="knee", rate=RATE, repetitions=2, seed=5, workload="tiny")
     assert res.orders == [["upstream", "vskipper"], ["vskipper", "upstream"]]
     measured = [r for r in res.rows if r["kind"] == "request" and r["phase"] == "measure"]

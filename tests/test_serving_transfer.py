@@ -1,8 +1,8 @@
 """vSkipper Table 6 (cross-model) and Table 7 (hardware transfer) shapes (Sec. 4.4):
 
 - the ``vskipper.cross_model`` / ``vskipper.devices`` keys: defaults, one-line errors naming the key, and the
-  effective config of each extra target (:func:`impl.serving.schema.target_config`);
-- the table builders (:mod:`impl.serving.transfer`) on synthetic protocol rows: a resolved and an
+  effective config of each extra target (:func:`impl.vskipper.schema.target_config`);
+- the table builders (:mod:`impl.vskipper.transfer`) on synthetic protocol rows: a resolved and an
   unresolved comparison, a rejected lane, the numbers equal to the protocol's own summary rows;
 - the CLI command and the report lines;
 - the DAG: ``snakemake -n`` on the smoke config lists the new jobs (and none without the keys), and the paper
@@ -41,7 +41,7 @@ def _with(**keys) -> dict:
 
 # ---------------------------------------------------------------------------------------- schema
 def test_defaults_and_absent_keys():
-    from impl.serving.schema import transfer_settings
+    from impl.vskipper.schema import transfer_settings
 
     v = validate_config(_with(), check_paths=False)["vskipper"]
     x = transfer_settings(v)
@@ -59,12 +59,12 @@ def test_defaults_and_absent_keys():
     ({"cross_model": {"models": ["tiny-ls"], "repetitions": 0}}, "vskipper.cross_model.repetitions"),
     ({"devices": [{"name": "a", "device": "cpu", "threads": 1}, {"name": "a", "device": "cpu", "threads": 2}]},
      "vskipper.devices[1].name"),
-    ({"devices": [{"name": "cpu-0t", "device": "cpu", "threads": 0}]}, "vskipper.devices.0.threads"),
-    ({"devices": [{"name": "x", "device": "cpu", "threads": "two"}]}, "vskipper.devices.0.threads"),
-    ({"devices": [{"name": "../up", "device": "cpu", "threads": 1}]}, "vskipper.devices.0.name"),
-    ({"devices": [{"name": "tpu", "device": "tpu", "threads": 1}]}, "vskipper.devices.0.device"),
-    ({"devices": [{"name": "x", "device": "cpu"}]}, "vskipper.devices.0"),
-    ({"devices": [{"name": "x", "device": "cpu", "threads": 1, "gpus": 1}]}, "vskipper.devices.0.gpus"),
+    ({"devices": [{"name": "cpu-0t", "device": "cpu", "threads": 0}]}, "vskipper.devices[0].threads"),
+    ({"devices": [{"name": "x", "device": "cpu", "threads": "two"}]}, "vskipper.devices[0].threads"),
+    ({"devices": [{"name": "../up", "device": "cpu", "threads": 1}]}, "vskipper.devices[0].name"),
+    ({"devices": [{"name": "tpu", "device": "tpu", "threads": 1}]}, "vskipper.devices[0].device"),
+    ({"devices": [{"name": "x", "device": "cpu"}]}, "vskipper.devices[0]"),
+    ({"devices": [{"name": "x", "device": "cpu", "threads": 1, "gpus": 1}]}, "vskipper.devices[0].gpus"),
     ({"devices": [{"name": "x", "device": "cpu", "threads": 1}], "cross_model": {"workload": "coqa"}},
      "vskipper.cross_model.workload"),
 ])
@@ -76,7 +76,7 @@ def test_errors_name_the_key(keys, key):
 
 
 def test_target_config():
-    from impl.serving.schema import target_config
+    from impl.vskipper.schema import target_config
 
     cfg = validate_config(_with(cross_model={"models": ["tiny-ls"], "repetitions": 3},
                                 devices=[{"name": "cpu-2t", "device": "cpu", "threads": 2, "repetitions": 4,
@@ -153,7 +153,7 @@ def _summary_e2e(rows):
 
 
 def test_paired_e2e_resolved_unresolved_rejected():
-    from impl.serving.transfer import paired_e2e
+    from impl.vskipper.transfer import paired_e2e
 
     fast = _cell_rows(0.006, 3, seed=1)
     p = paired_e2e(fast)
@@ -172,7 +172,7 @@ def test_paired_e2e_resolved_unresolved_rejected():
 
 
 def test_table6_and_table7(tmp_path):
-    from impl.serving.transfer import TABLE6_COLS, TABLE7_COLS, table6, table7
+    from impl.vskipper.transfer import TABLE6_COLS, TABLE7_COLS, table6, table7
 
     main = _target(tmp_path, "tiny-std", _cell_rows(0.006, 3, seed=1), share=0.7, quality=_quality(12.5, 0.0))
     main["role"] = "main"
@@ -202,7 +202,7 @@ def test_table6_and_table7(tmp_path):
 
 
 def test_command_and_report_lines(tmp_path):
-    from impl.serving.transfer import transfer_section_lines
+    from impl.vskipper.transfer import transfer_section_lines
 
     main = _target(tmp_path, "tiny-std", _cell_rows(0.006, 3, seed=1), quality=_quality(12.5, 0.0))
     dev = _target(tmp_path, "cpu-2t", _cell_rows(0.006, 2, seed=3), threads=2)
@@ -226,7 +226,7 @@ def test_command_and_report_lines(tmp_path):
 def test_knee_check_flags_unbracketed_rows():
     import pandas as pd
 
-    from impl.serving.transfer import _knee_check
+    from impl.vskipper.transfer import _knee_check
 
     ok = _knee_check(pd.DataFrame({"model": ["a", "b"], "knee_status": ["ok", "ok"]}), "model", "Table 6")
     assert ok.endswith("**PASS**")
@@ -297,7 +297,7 @@ def test_paper_config_routes_devices_to_their_hardware(workdir, tmp_path):
 
 
 def test_target_layout_and_resources():
-    from impl.serving.targets import device_resources, target_args, target_files, transfer_targets
+    from impl.vskipper.targets import device_resources, target_args, target_files, transfer_targets
 
     t6, t7 = transfer_targets("r/vsk", "tiny-std", ["tiny-ls"], ["cpu-2t"], "gsm8k", "knee", quality=True)
     assert [(t["name"], t["role"]) for t in t6] == [("tiny-std", "main"), ("tiny-ls", "extra")]

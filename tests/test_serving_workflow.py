@@ -12,7 +12,6 @@
 import copy
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -63,12 +62,12 @@ def test_schema_defaults_fill_in():
     ({"knee": {"rates": [1, 2]}}, "vskipper.knee.rates"),
     ({"knee": {"on_boundary": "crash"}}, "vskipper.knee.on_boundary"),
     ({"repetitions": 0}, "vskipper.repetitions"),
-    ({"lanes": ["fast"]}, "vskipper.lanes.0"),
+    ({"lanes": ["fast"]}, "vskipper.lanes[0]"),
     ({"randomskip": {"point": "peak"}}, "vskipper.randomskip.point"),
     ({"randomskip": {"r": [0.5], "d": []}}, "vskipper.randomskip.r"),
-    ({"randomskip": {"r": [1.5]}}, "vskipper.randomskip.r.0"),
+    ({"randomskip": {"r": [1.5]}}, "vskipper.randomskip.r[0]"),
     ({"flexidepth": {"routed_layers": [3, 12]}}, "vskipper.flexidepth.routed_layers[1]"),
-    ({"ablations": ["no-switch"]}, "vskipper.ablations.0"),
+    ({"ablations": ["no-switch"]}, "vskipper.ablations[0]"),
     ({"load_points": {"below": 0.75}, "randomskip": {"r": []  , "d": []}}, "vskipper.ablations"),
     ({"profile": {"prefill_tokens": [32], "prefill_prompt_len": 64}}, "vskipper.profile.prefill_tokens[0]"),
     ({"profile": {"decode_context": 600}}, "vskipper.profile.decode_context"),
@@ -84,14 +83,14 @@ def test_schema_errors_name_the_key(section, key):
 
 
 def test_schema_module_imports_no_torch():
-    code = "import sys, impl.serving.schema as s; assert s.SECTION and s.DEFAULTS; print('torch' in sys.modules)"
+    code = "import sys, impl.vskipper.schema as s; assert s.SECTION and s.DEFAULTS; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 # ----------------------------------------------------------------------------------------- knee rule
 def test_knee_outcome_ok_top_bottom():
-    from impl.serving.commands import knee_outcome
+    from impl.vskipper.serving_commands import knee_outcome
 
     ok = knee_outcome([1, 2, 4, 8], [10, 20, 20.1, 20.2], 0.02)
     assert ok["status"] == "ok" and ok["bracketed"] and ok["q_star"] == ok["q_star_used"] == 2
@@ -106,7 +105,7 @@ def test_knee_outcome_ok_top_bottom():
 
 def test_cb_config_sizes_the_cache_for_the_run():
     from impl.serving import Request
-    from impl.serving.commands import cb_config_for
+    from impl.vskipper.serving_commands import cb_config_for
 
     reqs = [Request(f"r{i}", tuple(range(1, 21)), 12) for i in range(5)]  # 33 tokens -> 3 pages of 16
     cb = cb_config_for({"page_size": 16, "num_blocks": None, "max_batch_tokens": 64, "max_requests_per_batch": 8}, reqs)
@@ -408,7 +407,7 @@ def _write_inputs(tmp_path, rejected=False):
 
 
 def test_tables_from_synthetic_rows(tmp_path):
-    from impl.serving.report import TABLE_NAMES, vskipper_tables
+    from impl.vskipper.serving_report import TABLE_NAMES, vskipper_tables
 
     tabs = vskipper_tables(**_write_inputs(tmp_path))
     assert set(tabs) == set(TABLE_NAMES)
@@ -448,7 +447,7 @@ def test_table4_saturation_from_hand_made_rows():
     """Table 4: per workload the largest load point above Q* is saturation (overload 1.25 beats 1.1, the
     knee and below never count); per lane (matched first) the arms' mean TPS / RPS and the paired %
     change; a workload without a point above Q* has no row; one repetition has no interval."""
-    from impl.serving.report import saturation_points, summary_frame, table4
+    from impl.vskipper.serving_report import saturation_points, summary_frame, table4
 
     rows = []
     for w in ("gsm8k", "bbh"):
@@ -485,7 +484,7 @@ def test_table4_saturation_from_hand_made_rows():
 
 def test_report_section_and_figures(tmp_path):
     from impl.report.tables import write_table
-    from impl.serving.report import report_section, vskipper_figures, vskipper_tables
+    from impl.vskipper.serving_report import report_section, vskipper_figures, vskipper_tables
 
     for rejected, verdict in ((False, "PASS"), (True, "FAIL")):
         sub = tmp_path / str(rejected)
@@ -510,7 +509,7 @@ def test_tables_and_figures_when_experiments_did_not_run(tmp_path):
     """Only the knee and the thresholds exist (no cells, no map): every table is written (empty with
     its columns), figures are placeholders, the report section still renders."""
     from impl.report.tables import write_table
-    from impl.serving.report import report_section, vskipper_figures, vskipper_tables
+    from impl.vskipper.serving_report import report_section, vskipper_figures, vskipper_tables
 
     ins = _write_inputs(tmp_path)
     tabs = vskipper_tables(knees=ins["knees"], thresholds=ins["thresholds"])
@@ -523,48 +522,20 @@ def test_tables_and_figures_when_experiments_did_not_run(tmp_path):
 
 
 # ------------------------------------------------------------------------------- the rules (slow)
-def _snakefile_with_vskipper(tmp_path: Path) -> Path:
-    """The repository's Snakefile with absolute includes, plus workflows/vskipper.smk (before the report)
-    when it does not include it yet."""
-    text = (ROOT / "Snakefile").read_text()
-    if "workflows/vskipper.smk" not in text:
-        text = text.replace('include: "workflows/report.smk"',
-                            'include: "workflows/vskipper.smk"\ninclude: "workflows/report.smk"')
-    text = re.sub(r'(include|configfile): "((?:workflows|configs)/[^"]+)"', lambda m: f'{m[1]}: "{ROOT / m[2]}"', text)
-    p = tmp_path / "Snakefile"
-    p.write_text(text)
-    return p
-
-
 @pytest.mark.slow
-def test_rules_on_smoke_models(tmp_path, data_dir):
-    """The vSkipper rules on the smoke models (trained here), through Snakemake: every table and figure,
-    rows of every experiment, and a report section with the checks."""
-    extra = tmp_path / "vsk.yaml"
-    extra.write_text(yaml.safe_dump({"vskipper": {
-        "model": "tiny-std", "workloads": ["gsm8k"], "max_new_tokens": 16, "requests": 16, "repetitions": 2,
-        "lanes": ["matched", "natural"], "load_points": {"knee": 0.95}, "knee": {"rates": [8, 32, 128]},
-        "flexidepth": {"steps": 20, "batch_size": 4, "seq_len": 64, "max_chars": 200000, "eval_windows": 4},
-        "profile": {"prefill_tokens": [64, 256], "prefill_prompt_len": 64, "decode_requests": [4, 16],
-                    "decode_context": 64, "repeats": 2, "share_prompts": 4},
-        "ablations": ["always-route"], "randomskip": {"r": [0.5], "d": [0.5]}}}))
-    out = tmp_path / "out"
-    targets = [f"{out}/results/tables/vskipper/vskipper_gate.csv", f"{out}/figures/vskipper_fig3.png"]
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(_snakefile_with_vskipper(tmp_path)), "-d", str(ROOT),
-           "--cores", "2", "--nolock", *targets, "--configfile", "configs/smoke.yaml", str(extra), "--config",
-           f"data_dir={data_dir}", f"results_dir={out}/results", f"figures_dir={out}/figures",
-           f"models_dir={out}/models", f"logs_dir={out}/logs"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+def test_rules_on_smoke_models(smoke_run):
+    """The vSkipper rules on the smoke models, through Snakemake (the session's smoke DAG run, whose
+    vskipper section is this experiment's): every table and figure, rows of every experiment, and a
+    report section with the checks."""
+    out = smoke_run
     td, fd = out / "results" / "tables" / "vskipper", out / "figures"
     gate = pd.read_csv(td / "vskipper_gate.csv")
-    assert set(gate["experiment"]) == {"main", "ablation", "randomskip"} and (gate["status"] == "ok").all()
+    assert set(gate["experiment"]) >= {"main", "ablation", "randomskip"} and (gate["status"] == "ok").all()
     t2 = pd.read_csv(td / "vskipper_table2.csv")
     assert set(t2["lane"]) == {"matched", "natural"} and (t2["n"] == 2).all()
     knee = json.loads((out / "results" / "vskipper" / "knee" / "gsm8k.json").read_text())
     assert knee["status"] in ("ok", "top", "bottom") and len(knee["rows"]) == 3
     assert (out / "models" / "tiny-std-flexidepth" / "flexidepth.safetensors").is_file()
-    text = "\n".join(__import__("impl.serving.report", fromlist=["x"]).report_section(td, fd, out / "results"))
+    text = "\n".join(__import__("impl.vskipper.serving_report", fromlist=["x"]).report_section(td, fd, out / "results"))
     assert re.search(r"matched-work gate .*\*\*PASS\*\*", text)
     assert (fd / "vskipper_fig3.png").stat().st_size > 1000

@@ -17,7 +17,7 @@ from scipy import stats
 
 from impl.tev.exit_law import exit_law, target_coverage
 from impl.tev.tree import DraftTree, path_to
-from impl.tev.verify import VERIFIERS, greedy_follow, predraw_follow, sequential_residual, tev
+from impl.tev.verify import VERIFIERS, greedy_follow
 
 N_DRAWS = 20_000
 P_MIN = 1e-3

@@ -148,7 +148,7 @@ def test_command_writes_rows_summary_and_report(model_dir, prompts_file, tmp_pat
 
     cfg = {"seed": 0, "threads": 1, "device": "cpu", "dtype": "float32", "data_dir": str(data_dir),
            "vskipper": {"engine": ENGINE, "randomskip": {"seed": 3}}}
-    monkeypatch.setattr("impl.cli._config", lambda args: cfg)
+    monkeypatch.setattr("impl.runtime.config_from_args", lambda args: cfg)
     out = tmp_path / "http" / "tiny.csv"
     summ = tmp_path / "http" / "tiny.json"
     args = _parser().parse_args(["vskipper-http-check", "--quiet", "--model-dir", str(model_dir), "--prompts",

@@ -23,7 +23,9 @@ import torch
 
 from impl.models.load import load_model, load_tokenizer
 from impl.vskipper import ModeSwitch, RandomSkip, bind_skipper, generate_greedy, routed_cb_config
-from impl.vskipper.server import ARMS, parse_layers, parse_skipper_spec, serve
+from impl.vskipper.driver import ARMS
+from impl.vskipper.server import serve
+from impl.vskipper.spec import parse_layers, parse_skipper_spec
 from conftest import save_wide_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,7 +197,12 @@ def test_streaming_one_chunk_per_token_then_usage(always_route):
     body = {"prompt": TEXT_PROMPTS[0], "max_tokens": NEW, "ignore_eos": True, "request_id": "s0"}
     code, full = _json(always_route.url, body)
     assert code == 200
+    # without stream_options.include_usage (OpenAI's rule): no usage anywhere, every chunk has a choice
     code, text = _post(always_route.url, {**body, "stream": True})
+    assert code == 200
+    plain = [json.loads(e) for e in _sse(text)[:-1]]
+    assert len(plain) == NEW and all(len(c["choices"]) == 1 and "usage" not in c for c in plain)
+    code, text = _post(always_route.url, {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert code == 200
     events = _sse(text)
     assert events[-1] == "[DONE]"
@@ -207,6 +214,8 @@ def test_streaming_one_chunk_per_token_then_usage(always_route):
     assert [c["choices"][0]["finish_reason"] for c in token_chunks] == [None] * (NEW - 1) + ["length"]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == NEW
     assert usage["usage"]["prompt_tokens"] == full["usage"]["prompt_tokens"]
+    assert all(c["usage"] is None for c in token_chunks)  # "usage": null on every other chunk
+    assert [c["choices"][0]["token_ids"] for c in plain] == [c["choices"][0]["token_ids"] for c in token_chunks]
 
 
 def test_ignore_eos_gives_exactly_max_tokens(upstream):
@@ -245,9 +254,9 @@ def test_stop_strings_cut_text_and_free_the_request_id(upstream):
     assert ch["token_ids"] == full["token_ids"][: len(ch["token_ids"])]
     # streamed: the same text, the stop string never sent
     code, raw = _post(upstream.url, {**base, "stop": stop, "stream": True})
-    chunks = [json.loads(e) for e in _sse(raw)[:-1]]
-    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == cut
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    chunks = [json.loads(e) for e in _sse(raw)[:-1]]  # no usage chunk: stream_options not set
+    assert "".join(c["choices"][0]["text"] for c in chunks) == cut
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     # the cancelled request's id is released for reuse (the server waits for the engine to drop it)
     code, again = _json(upstream.url, base)
     assert code == 200 and again["choices"][0]["token_ids"] == full["token_ids"]
@@ -347,7 +356,12 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(upstream):
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
         code, text = _post(upstream.url, None, raw=raw)
         assert code == 400 and "error" in json.loads(text), raw
-    assert _post(upstream.url, {"prompt": "hi"}, path="/v1/chat/completions")[0] == 404
+    code, out = _json(upstream.url, {"messages": [{"role": "user", "content": "hi"}]}, path="/v1/chat/completions")
+    assert code == 400 and "chat template" in out["error"]["message"]  # the tiny tokenizer has none
+    for body, words in (({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+                        ({"prompt": "hi"}, "messages")):
+        code, out = _json(upstream.url, body, path="/v1/chat/completions")
+        assert code == 400 and words in out["error"]["message"], (body, out)
     assert _get(upstream.url, "/nope")[0] == 404
     assert _get(upstream.url, "/v1/completions")[0] == 405
     assert _post(upstream.url, {}, path="/health")[0] == 405
@@ -368,7 +382,8 @@ def test_http_completions_arm_drives_the_server(always_route, tok):
 
     detok = lambda ids: tok.decode(ids)  # noqa: E731
     for via in ("field", "generation_config"):
-        arm = HTTPCompletionsArm(always_route.url, "tiny", detokenize=detok, ignore_eos_via=via, name=f"http-{via}")
+        arm = HTTPCompletionsArm(always_route.url, "tiny", detokenize=detok, ignore_eos_via=via, name=f"http-{via}",
+                                 include_usage=True)
         arm.start()
         ids = {f"{via}-{i}": tok(p)["input_ids"] for i, p in enumerate(TEXT_PROMPTS)}
         for rid, p in ids.items():
@@ -448,6 +463,8 @@ def test_cli_prints_port_and_stops_on_sigterm(model_dir):
         assert line, proc.stderr.read()
         info = json.loads(line)
         assert info["arm"] == "hybrid" and info["port"] > 0 and info["model"] == model_dir.name
+        assert info["torch_threads"] == 1 and info["max_model_len"] == 128 and info["max_num_seqs"] == 8
+        assert info["kv_cache"]["num_blocks"] == 64 and info["kv_cache"]["tokens"] == 64 * 16
         url = info["listening"]
         assert _get(url, "/health")[0] == 200
         code, out = _json(url, {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "model": str(model_dir)})
@@ -474,7 +491,8 @@ def test_close_lets_in_flight_requests_finish(model_dir):
     got = {}
 
     def client():
-        got["res"] = _post(srv.url, {"prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True, "stream": True})
+        got["res"] = _post(srv.url, {"prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True, "stream": True,
+                                     "stream_options": {"include_usage": True}})
 
     t = threading.Thread(target=client)
     t.start()
@@ -490,3 +508,73 @@ def test_close_lets_in_flight_requests_finish(model_dir):
     assert not srv.engine.healthy and srv.engine.error is None
     with pytest.raises(OSError):
         urllib.request.urlopen(srv.url + "/health", timeout=5)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_server(model_dir, tmp_path_factory):
+    """The upstream arm of the same model, its tokenizer given a chat template."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("chat_model") / "m"
+    shutil.copytree(model_dir, d)
+    t = load_tokenizer(d)
+    t.chat_template = CHAT_TEMPLATE
+    t.save_pretrained(d)
+    srv = serve(d, "upstream", None, port=0, block=False, served_model_name="tiny-chat", cb_overrides=CB)
+    yield srv, t
+    srv.close()
+
+
+def test_chat_completions_use_the_chat_template(chat_server):
+    srv, t = chat_server
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "how many apples?"}]
+    ids = t(t.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    want = _json(srv.url, {"prompt": ids, "max_tokens": 8, "ignore_eos": True})[1]["choices"][0]
+    code, out = _json(srv.url, {"messages": msgs, "max_completion_tokens": 8, "ignore_eos": True, "logprobs": True,
+                                "top_logprobs": 2, "model": "tiny-chat"}, path="/v1/chat/completions")
+    assert code == 200, out
+    ch = out["choices"][0]
+    assert out["object"] == "chat.completion" and ch["message"]["role"] == "assistant"
+    assert ch["token_ids"] == want["token_ids"] and ch["message"]["content"] == want["text"]
+    assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == 8
+    lp = ch["logprobs"]["content"]
+    assert len(lp) == 8 and all(len(x["top_logprobs"]) == 2 for x in lp)
+    assert all(abs(x["logprob"] - x["top_logprobs"][0]["logprob"]) < 1e-6 for x in lp)  # greedy: top-1
+    # streaming: a role chunk, one chunk per token, then (asked for) the usage chunk
+    code, text = _post(srv.url, {"messages": msgs, "max_tokens": 8, "ignore_eos": True, "stream": True,
+                                 "stream_options": {"include_usage": True}}, path="/v1/chat/completions")
+    events = _sse(text)
+    assert code == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    toks = chunks[1:-1]
+    assert [c["choices"][0]["token_ids"][0] for c in toks] == want["token_ids"]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in toks) == want["text"]
+    assert toks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_openapi_schema_lists_the_routes(upstream):
+    code, spec = _get(upstream.url, "/openapi.json")
+    assert code == 200
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(spec["paths"])
+
+
+def test_kv_cache_is_sized_from_context_and_concurrency(model_dir):
+    from impl.vskipper.server import kv_cache_plan
+
+    model = load_model(model_dir)
+    c = model.config
+    plan = kv_cache_plan(model, 128, 8, 16, torch.float32)
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    assert plan["num_blocks"] == 64 and plan["tokens"] == 1024
+    assert plan["mib"] == round(1024 * per_token / 2**20, 1)
+    assert kv_cache_plan(model, 100, 3, 16, torch.float32)["num_blocks"] == 19  # ceil(300 / 16)
+    assert abs(kv_cache_plan(model, 128, 8, 16, torch.bfloat16)["mib"] - plan["mib"] / 2) <= 0.1
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        serve(model_dir, "upstream", None, block=False, max_model_len=4096)

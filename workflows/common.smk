@@ -8,10 +8,12 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)
 
-from impl.config import ConfigError, model_dir, split_variant, validate_config, variant_name  # noqa: E402
+from impl.config import ConfigError, model_dir, read_yaml, split_variant, validate_config, variant_name  # noqa: E402
 from impl.provenance import config_hash  # noqa: E402
 
 try:
+    for _configfile in workflow.configfiles or [os.path.join(workflow.basedir, "configs", "default.yaml")]:
+        read_yaml(_configfile)  # Snakemake's own YAML loader keeps the last of a duplicated key silently
     CFG = validate_config(config)
 except ConfigError as err:
     raise WorkflowError(str(err))
@@ -68,10 +70,29 @@ def dex_cell_inputs(w):
     return d
 
 
-# Method-family .smk files append the outputs the report needs and their report sections
-# ("<module>:<tables dir>", where module has report_section(tables_dir, figures_dir, base)).
-REPORT_EXTRA = []
-REPORT_SECTIONS = []
+
+def get_final_output():
+    """The default target (the input of the all rule): the report, which depends on every enabled family's tables
+    (report_sections())."""
+    return [REPORT]
+
+
+def report_sections():
+    """(section name in impl.report.markdown.REPORT_SECTIONS, its tables dir, the files it reads) of every
+    method family the config enables, in report order."""
+    out = []
+    if DEX:
+        out.append(("dex", f"{RESULTS}/tables/dex", rules.dex_tables.output + rules.dex_figures.output))
+    if TEV:
+        out.append(("tev", f"{RESULTS}/tables/tev", rules.tev_tables.output))
+    if VSK:
+        out.append(("vskipper-serving", VSK_TABLES, VSK_REPORT_INPUTS))
+        out.append(("vskipper-bench", VSKB_TABLES, rules.vskipper_bench_tables.output))
+        if TINY_MODELS:
+            out.append(("vskipper-http", VSKH_DIR, expand(f"{VSKH_DIR}/{{model}}.csv", model=TINY_MODELS)))
+    return out
+
+
 
 EAD_MODELS = CFG["ead"]["models"]
 EAD_WORKLOADS = CFG["ead"]["workloads"]

@@ -135,5 +135,3 @@ if DEX:
         shell:
             "python -m impl dex-figures --tables-dir {params.tables} --out-dir {params.out} 2> {log}"
 
-    REPORT_EXTRA += rules.dex_tables.output + rules.dex_figures.output
-    REPORT_SECTIONS.append(f"impl.report.dex:{RESULTS}/tables/dex")

@@ -54,14 +54,14 @@ rule report:
         rules.tables.output,
         prov=rules.tables.output.prov,
         figs=rules.figures.output,
-        extra=REPORT_EXTRA,
+        extra=[f for _, _, files in report_sections() for f in files],
     output:
         REPORT,
     params:
         tables=lambda w, input: os.path.dirname(input.prov),
         figures=lambda w, input: os.path.dirname(input.figs[0]),
         configs=" ".join(map(str, workflow.configfiles)) or "configs/default.yaml",
-        sections=" ".join(f"--section {x}" for x in REPORT_SECTIONS),
+        sections=" ".join(f"--section {name}={tables}" for name, tables, _ in report_sections()),
     log:
         f"{LOGS}/report.log",
     shell:

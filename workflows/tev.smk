@@ -92,5 +92,3 @@ if TEV:
             "python -m impl tev-tables --cells {input.cells} --latency {input.latency} --train {input.train} "
             "--out-dir {params.out} 2> {log}"
 
-    REPORT_EXTRA += rules.tev_tables.output
-    REPORT_SECTIONS.append(f"impl.tev.report:{RESULTS}/tables/tev")

@@ -218,7 +218,7 @@ if VSK:
                 "--out {output.rows} --summary {output.summary} --requests {output.requests} 2> {log}"
 
     if VSK_QUALITY_SERVED:
-        from impl.serving.schema import served_knee_workload
+        from impl.vskipper.schema import served_knee_workload
 
         vsk_qknee = lambda w: served_knee_workload(VSK, w.qsuite)  # noqa: E731
 
@@ -302,15 +302,15 @@ if VSK:
 
     # ---- Table 6 (cross-model) and Table 7 (hardware transfer), Sec. 4.4 ----
     # Extra targets re-run the main rules' commands (use rule ... with:) on their own effective config
-    # (impl.serving.schema.target_config: vskipper.model = the extra model, or device/threads = the device
+    # (impl.vskipper.schema.target_config: vskipper.model = the extra model, or device/threads = the device
     # entry's; written beside EFFECTIVE_CONFIG when execution starts). Outputs go to
     # {VSK_DIR}/models/{model}/... and {VSK_DIR}/devices/{name}/...; nothing of the main run moves or re-runs.
     # Per extra model: FlexiDepth skipper ({MODELS}/{model}-flexidepth), thresholds, knee on
     # cross_model.workload, a matched-lane cell at cross_model.point and (with vskipper.quality on that
     # workload) the quality 2x2 of that suite for the served accuracy. Per device: thresholds, knee and the
     # matched-lane cell of vskipper.model, its jobs carrying the entry's `resources` (SLURM partition, gres).
-    from impl.serving.schema import target_config, transfer_settings
-    from impl.serving.targets import device_resources, target_args, target_files, target_sig, transfer_targets
+    from impl.vskipper.schema import target_config, transfer_settings
+    from impl.vskipper.targets import device_resources, target_args, target_files, target_sig, transfer_targets
 
     VSK_X = transfer_settings(VSK)
     VSK_XW, VSK_XP = VSK_X["workload"], VSK_X["point"]
@@ -321,7 +321,7 @@ if VSK:
     vsk_tcfg_path = lambda kind, name: f"{RESULTS}/.config/vskipper/{kind}/{name}.json"  # noqa: E731
     EXTRA_CONFIGS.update({vsk_tcfg_path(k, n): c for (k, n), c in VSK_TCFG.items()})
     VSK_XQUALITY = bool(VSK_QUALITY) and VSK_XW in VSK_Q["tasks"]
-    # sig() of an extra target's effective config (impl.serving.targets.target_sig): top-level keys, vskipper keys
+    # sig() of an extra target's effective config (impl.vskipper.targets.target_sig): top-level keys, vskipper keys
     vsk_tsig = lambda kind, top, keys: lambda w: target_sig(  # noqa: E731
         VSK_TCFG[(kind, w.vsk_xmodel if kind == "models" else w.vsk_device)], top, keys)
     VSK_TIMED_TOP = ("seed", "threads", "device", "dtype")
@@ -491,5 +491,3 @@ if VSK:
 
     VSK_REPORT_INPUTS = (rules.vskipper_tables.output + rules.vskipper_figures.output + VSK_QUALITY
                          + VSK_QUALITY_SERVED + VSK_TRANSFER)
-    REPORT_EXTRA += VSK_REPORT_INPUTS
-    REPORT_SECTIONS.append(f"impl.serving.report:{VSK_TABLES}")

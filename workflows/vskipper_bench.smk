@@ -69,5 +69,3 @@ if CFG.get("vskipper"):
         shell:
             "python -m impl vskipper-bench-tables --summaries {input} --out-dir {params.out} 2> {log}"
 
-    REPORT_EXTRA += rules.vskipper_bench_tables.output
-    REPORT_SECTIONS.append(f"impl.vskipper.bench_report:{VSKB_TABLES}")

@@ -47,5 +47,3 @@ if CFG.get("vskipper") and TINY_MODELS:
             "--prompts {input.prompts} {params.skipper} {params.args} --label {wildcards.model} "
             "--out {output.csv} --summary {output.summary} 2> {log}"
 
-    REPORT_EXTRA += expand(f"{VSKH_DIR}/{{model}}.csv", model=TINY_MODELS)
-    REPORT_SECTIONS.append(f"impl.vskipper.http_report:{VSKH_DIR}")

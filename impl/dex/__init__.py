@@ -4,9 +4,35 @@ K depth explorers own the stages (d_{k-1}, d_k] of an exploration set X; each ro
 advances one stage (depth expansion) and every new candidate opens a slot at the next position
 (position expansion); when the anchor slot reaches the final depth its token is committed, the
 shallowest matching anchor candidate selects the branch to keep, and the rest collapses.
+
+Names are exported lazily (PEP 562): importing the package (e.g. for its light ``schema``
+module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`` imports X's module.
 """
 
-from .decoder import DEXDecoder, DEXResult, TokenMetrics
-from .reference import ReferenceExecutor
+from __future__ import annotations
 
-__all__ = ["DEXDecoder", "DEXResult", "TokenMetrics", "ReferenceExecutor"]
+import importlib
+
+#: exported name -> the submodule that defines it
+_EXPORTS = {
+    'DEXDecoder': '.decoder',
+    'DEXResult': '.decoder',
+    'TokenMetrics': '.decoder',
+    'ReferenceExecutor': '.reference',
+}
+
+__all__ = ['DEXDecoder', 'DEXResult', 'TokenMetrics', 'ReferenceExecutor']
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

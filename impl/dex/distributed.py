@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..argtypes import ArgumentParser, nonneg_int, positive_float, positive_int, temperature
 from ..ead.accounting import uniform_exploration_set, validate_exploration_set
 from ..models.depth import embed, num_layers, run_layers
 from ..spec.ar import ar_decode
@@ -755,16 +756,16 @@ def _prompt_ids(p: dict, tokenizer_loader) -> list[int] | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="torchrun --nproc-per-node K -m impl.dex.distributed",
         description="DEX with one torch.distributed rank per explorer; rank 0 writes one JSONL row per prompt, "
                     "checked against AR.")
     ap.add_argument("--model", required=True, help="Hugging Face model directory (tokenizer inside for text rows)")
     ap.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids or text")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the per-position Gumbel noise")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64)
+    ap.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
+    ap.add_argument("--seed", type=nonneg_int, default=0, help="seed of the per-position Gumbel noise")
     ap.add_argument("--exploration-set", help="comma-separated depths ending at L, one per rank (default: "
                                               "uniform DEX-1/K with K = world size)")
     ap.add_argument("--decs", action="store_true", help="depth-coupled sampling (Algorithm 2)")
@@ -773,10 +774,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--no-ar-check", action="store_true",
                     help="skip the AR check (then rank 0 also holds only its own layers)")
-    ap.add_argument("--warmup-prompts", type=int, default=1, help="decode this many prompts first, unrecorded")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--warmup-prompts", type=nonneg_int, default=1, help="decode this many prompts first, unrecorded")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--timeout-s", type=float, default=600.0, help="process-group timeout")
+    ap.add_argument("--timeout-s", type=positive_float, default=600.0, help="process-group timeout")
     return ap
 
 
@@ -812,7 +813,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail(rank, str(e))
 
     from ..models.load import load_model, load_tokenizer
-    from ..provenance import provenance, read_jsonl, write_jsonl
+    from ..provenance import provenance, write_jsonl
 
     torch.set_num_threads(args.threads)
     backend = init_distributed(device, args.timeout_s)
@@ -835,7 +836,7 @@ def main(argv: list[str] | None = None) -> None:
                            "temperature": args.temperature, "world_size": world},
                           seed=args.seed, device=str(device), dtype=str(ex.dtype).removeprefix("torch."))
         for r in rows:
-            r.update(model_dir=str(args.model), **prov)
+            r.update(model_dir=str(args.model), batch_size=1, **prov)
         write_jsonl(args.out, rows)
         bad = [r["prompt_id"] for r in rows if r.get("ar_match") is False]
         errs = [r["prompt_id"] for r in rows if "error" in r]

@@ -1,24 +1,43 @@
-"""Oracle EAD measurement and depth-side accounting (DEX paper, Sec. 2 and App. A)."""
+"""Oracle EAD measurement and depth-side accounting (DEX paper, Sec. 2 and App. A).
 
-from .accounting import (
-    depth_ceiling,
-    depth_side_speedup,
-    ead_from_omega,
-    exploration_workload,
-    resolution,
-    s_ead,
-    s_x,
-    s_x_lower_bound,
-    selection_overhead,
-    selection_trace,
-    selection_workload,
-    stable_ead_from_omega,
-    uniform_exploration_set,
-    validate_exploration_set,
-)
+Names are exported lazily (PEP 562): importing the package (e.g. for its light ``schema``
+module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`` imports X's module.
+"""
 
-__all__ = [
-    "depth_ceiling", "depth_side_speedup", "ead_from_omega", "exploration_workload", "resolution",
-    "s_ead", "s_x", "s_x_lower_bound", "selection_overhead", "selection_trace", "selection_workload",
-    "stable_ead_from_omega", "uniform_exploration_set", "validate_exploration_set",
-]
+from __future__ import annotations
+
+import importlib
+
+#: exported name -> the submodule that defines it
+_EXPORTS = {
+    'depth_ceiling': '.accounting',
+    'depth_side_speedup': '.accounting',
+    'ead_from_omega': '.accounting',
+    'exploration_workload': '.accounting',
+    'resolution': '.accounting',
+    's_ead': '.accounting',
+    's_x': '.accounting',
+    's_x_lower_bound': '.accounting',
+    'selection_overhead': '.accounting',
+    'selection_trace': '.accounting',
+    'selection_workload': '.accounting',
+    'stable_ead_from_omega': '.accounting',
+    'uniform_exploration_set': '.accounting',
+    'validate_exploration_set': '.accounting',
+}
+
+__all__ = ['depth_ceiling', 'depth_side_speedup', 'ead_from_omega', 'exploration_workload', 'resolution', 's_ead', 's_x', 's_x_lower_bound', 'selection_overhead', 'selection_trace', 'selection_workload', 'stable_ead_from_omega', 'uniform_exploration_set', 'validate_exploration_set']
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -19,7 +19,12 @@ SOURCES = ("gsm8k_train", "sharegpt", "python_stdlib")
 _CALC = re.compile(r"<<[^>]*>>")
 
 
-def _need(path: Path) -> Path:
+def need_file(path: Path) -> Path:
+    """``path`` if it exists.
+
+    Raises:
+        FileNotFoundError: naming the file and the ``data_dir`` key.
+    """
     if not path.exists():
         raise FileNotFoundError(
             f"training data not found: {path} (config key data_dir must point at a folder holding "
@@ -30,7 +35,7 @@ def _need(path: Path) -> Path:
 
 def gsm8k_train_docs(data_dir: Path) -> Iterator[str]:
     """GSM8K train question/answer pairs, calculator annotations stripped."""
-    with open(_need(data_dir / "gsm8k" / "train.jsonl"), encoding="utf-8") as fh:
+    with open(need_file(data_dir / "gsm8k" / "train.jsonl"), encoding="utf-8") as fh:
         for line in fh:
             r = json.loads(line)
             yield f"Question: {r['question']}\nAnswer: {_CALC.sub('', r['answer'])}"
@@ -38,7 +43,7 @@ def gsm8k_train_docs(data_dir: Path) -> Iterator[str]:
 
 def sharegpt_docs(data_dir: Path) -> Iterator[str]:
     """ShareGPT subset conversations as ``User: ... / Assistant: ...`` transcripts."""
-    with open(_need(data_dir / "chat" / "sharegpt_v3_subset.jsonl"), encoding="utf-8") as fh:
+    with open(need_file(data_dir / "chat" / "sharegpt_v3_subset.jsonl"), encoding="utf-8") as fh:
         for line in fh:
             r = json.loads(line)
             turns = []

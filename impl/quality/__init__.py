@@ -1,20 +1,15 @@
-"""Quality evaluation of vSkipper: lm-eval tasks on local data, the four arms, the 2x2 DiD and the served
-hybrid at the knee (vSkipper Sec. 4.1 "Quality", Sec. 4.3, Table 5 left and right, App. E.1-E.3).
+"""Quality evaluation as a library: lm-eval tasks on local data, answer scoring, per-document scores, the
+identical-prompt gate and the 2x2 difference-in-differences (the vSkipper paper's quality protocol,
+Sec. 4.1 "Quality", Table 5; its arms and runs live in :mod:`impl.vskipper`: ``quality_arms``,
+``quality_run``, ``quality_served``). Imports no paper package.
 
 - :mod:`.tasks`: lm-eval task YAMLs generated over the local data folder (GSM8K 5-shot, BBH CoT, CoQA);
 - :mod:`.scoring`: the GSM8K composite filter (strict-match when it parses, else flexible-extract),
   BBH answer extraction, CoQA F1;
-- :mod:`.arms`: the arms as lm-eval LMs (A: lm-eval's HF backend; B: plain PyTorch with routed layers;
-  C / D: the vSkipper HTTP server in process, upstream / always-route, driven by lm-eval's
-  ``local-completions`` client with token ids - or in process on the same engine), each recording
-  per-document prompt token ids and their hash;
 - :mod:`.did`: per-document scores, the identical-prompt gate, the paired DiD and first-token agreement;
-- :mod:`.run`: :func:`run_quality`, tying the 2x2 together;
-- :mod:`.served`: :func:`~impl.quality.served.run_served_knee`, Table 5 (right): the documents' requests
-  as a seeded Poisson stream at the knee to the hybrid and always-route servers, scored by lm-eval.
 
-lm-eval (``lm-eval[hf,api]==0.4.13``) is imported by :mod:`.arms` and :mod:`.run`; :mod:`.tasks`,
-:mod:`.scoring` (except the GSM8K filters, which use lm-eval's RegexFilter) and :mod:`.did` work without it.
+:mod:`.tasks`, :mod:`.scoring` (except the GSM8K filters, which use lm-eval's RegexFilter, ``lm-eval[hf,api]==0.4.13``)
+and :mod:`.did` work without lm-eval.
 """
 
 from .scoring import (
@@ -50,21 +45,4 @@ __all__ = [
     "per_doc_scores",
     "quality_did",
     "summarize",
-    "run_quality",
-    "QualityResult",
-    "run_served_knee",
-    "ServedKneeResult",
 ]
-
-
-def __getattr__(name):
-    # run_quality pulls in lm-eval, torch and transformers: import it lazily
-    if name in ("run_quality", "QualityResult"):
-        from . import run
-
-        return getattr(run, name)
-    if name in ("run_served_knee", "ServedKneeResult"):
-        from . import served
-
-        return getattr(served, name)
-    raise AttributeError(name)

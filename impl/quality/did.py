@@ -5,7 +5,7 @@
   (metric, filter) lm-eval scored kept (``"exact_match,composite"``, ``"exact_match,strict-match"``,
   ``"f1,none"`` ...);
 - :func:`check_prompt_hashes` is the gate: every arm must have fed the same token ids for every
-  document (same set of documents, same :func:`~impl.quality.arms.prompt_hash`), else
+  document (same set of documents, same :func:`~impl.vskipper.quality_arms.prompt_hash`), else
   :class:`PromptMismatchError`;
 - :func:`quality_did` / :func:`summarize` give the per-document paired DiD ``(D - C) - (B - A)`` with its
   95 % interval (:func:`impl.stats.difference_in_differences`) in percentage points, the checkpoint's
@@ -86,7 +86,7 @@ def check_prompt_hashes(records: Mapping[str, Mapping[tuple[str, int], Any]]) ->
 
     Args:
         records: ``arm -> {(task, doc_id): record}``; a record has ``prompt_hash`` (a
-            :class:`~impl.quality.arms.GenRecord` or a dict).
+            :class:`~impl.vskipper.quality_arms.GenRecord` or a dict).
 
     Returns:
         the number of documents checked.

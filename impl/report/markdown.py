@@ -8,6 +8,15 @@ from pathlib import Path
 import pandas as pd
 
 from ..provenance import write_text
+from ..registry import Registry
+
+#: the method families' report sections: ``report_section(tables_dir, figures_dir, base) -> lines``
+REPORT_SECTIONS: Registry = Registry("report section")
+REPORT_SECTIONS.register("dex", "impl.report.dex:report_section")
+REPORT_SECTIONS.register("tev", "impl.tev.report:report_section")
+REPORT_SECTIONS.register("vskipper-serving", "impl.vskipper.serving_report:report_section")
+REPORT_SECTIONS.register("vskipper-bench", "impl.vskipper.bench_report:report_section")
+REPORT_SECTIONS.register("vskipper-http", "impl.vskipper.http_report:report_section")
 
 
 def _rel(target: Path, start: Path) -> str:

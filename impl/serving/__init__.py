@@ -1,4 +1,7 @@
-"""Serving evaluation protocol of vSkipper (Sec. 4.1-4.2, Tables 2-4; App. F, G, M).
+"""The serving evaluation protocol as a library (the vSkipper paper's, Sec. 4.1-4.2; App. F, G, M): arms,
+open-loop load, knee, matched work, metrics and paired repetitions. Imports no paper package; the
+vSkipper experiments built on it live in :mod:`impl.vskipper` (``serving_commands``, ``serving_report``,
+``schema``, ``targets``, ``transfer``).
 
 - :mod:`.arrivals`: seeded Poisson arrival schedules at an absolute offered rate;
 - :mod:`.arms`: the arm interface; the in-process continuous-batching arm (transformers 5.24) and
@@ -10,9 +13,6 @@
 - :mod:`.knee`: the Q* rule and the 0.75 / 0.95 / 1.25 x Q* load points;
 - :mod:`.matched`: matched-work replay and its per-request gate, the natural lane;
 - :mod:`.protocol`: paired, order-alternating repetitions, percent-change summaries, JSONL rows;
-- :mod:`.schema`: the optional ``vskipper:`` config section (no torch import);
-- :mod:`.commands`: the ``python -m impl`` commands the vSkipper rules run (``workflows/vskipper.smk``);
-- :mod:`.report`: the vSkipper tables, figures and report section.
 """
 
 from .arms import Arm, Clock, ContinuousBatchingArm, HTTPCompletionsArm, RealClock, Trace, WorkloadHint

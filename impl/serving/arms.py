@@ -223,15 +223,19 @@ class ContinuousBatchingArm(Arm):
     and destroys the manager. Token times are the engine's ``perf_counter`` stamps.
 
     Args:
-        model: a causal LM supporting ``init_continuous_batching`` (for ``mode`` "dense" or
-            "routed", one bound with :func:`impl.vskipper.bind_skipper`).
+        model: a causal LM supporting ``init_continuous_batching``.
         name: arm name used in result rows.
-        cb_config: a ``ContinuousBatchingConfig`` (copied per start; default
-            :func:`impl.vskipper.routed_cb_config`, the settings every arm of a comparison shares).
+        cb_config: a ``ContinuousBatchingConfig`` (copied per start; default: transformers' defaults).
+            Give every arm of a comparison the same one (vSkipper: ``impl.vskipper.routed_cb_config``).
         eos_token_id: the natural lane's stop token(s): ``"model"`` (default: the model's generation
             config, else its config), an int / list of ints, or None (no EOS).
         mode: None (run the model as it is), ``"dense"`` (a bound model with every routed layer dense,
-            i.e. upstream on the same engine) or ``"routed"`` (the skipper decides per row).
+            i.e. upstream on the same engine) or ``"routed"`` (the skipper decides per row); needs
+            ``binding``.
+        binding: with ``mode``, the engine binding of the bound model (vSkipper:
+            ``impl.vskipper.routed_context(model)``): an object with a ``dense_mode(flag)`` context
+            manager, a ``planner`` attribute (the per-batch planner, or None) and ``clear()`` (drop
+            per-run state). This module imports no method package: the method hands its binding in.
         planner: with ``mode="routed"``, an optional per-batch mode planner (e.g.
             :class:`impl.vskipper.mode.ModeController`) installed for the arm's lifetime. Its state
             carries over from run to run: a :class:`~impl.vskipper.mode.ModeController` keys its
@@ -251,11 +255,11 @@ class ContinuousBatchingArm(Arm):
             torch/transformers process holds (~0.4 s here) stalls the engine thread mid-run.
 
     Raises:
-        ValueError: for an unknown ``mode``, or ``mode`` set on a model without a routed context.
+        ValueError: for an unknown ``mode``, or ``mode`` set without a ``binding``.
     """
 
     def __init__(self, model, name: str = "upstream", *, cb_config=None, eos_token_id: Any = "model",
-                 mode: str | None = None, planner=None, planner_factory=None, streaming: bool = True,
+                 mode: str | None = None, binding=None, planner=None, planner_factory=None, streaming: bool = True,
                  warmup_requests: int = 1,
                  warmup_prompt: Sequence[int] = (1, 2, 3, 4), warmup_new_tokens: int = 2,
                  stop_timeout_s: float = 60.0, freeze_gc: bool = True):
@@ -280,11 +284,10 @@ class ContinuousBatchingArm(Arm):
         self.stop_timeout_s = float(stop_timeout_s)
         self.freeze_gc = bool(freeze_gc)
         self._frozen = False
-        if mode is not None:
-            from impl.vskipper.routed import routed_context
-
-            if routed_context(model) is None:
-                raise ValueError(f"mode={mode!r} needs a model bound with impl.vskipper.bind_skipper")
+        if mode is not None and binding is None:
+            raise ValueError(f"mode={mode!r} needs binding= (the bound model's engine binding, e.g. "
+                             "impl.vskipper.routed_context(model))")
+        self.binding = binding
         self._manager = None
         self._consumer: threading.Thread | None = None
         self._cond = threading.Condition()
@@ -300,9 +303,7 @@ class ContinuousBatchingArm(Arm):
     def _enter_mode(self) -> None:
         if self.mode is None:
             return
-        from impl.vskipper.routed import routed_context
-
-        ctx = routed_context(self.model)
+        ctx = self.binding
         self._mode_cm = ctx.dense_mode(self.mode == "dense")
         self._mode_cm.__enter__()
         if self.planner_factory is not None:  # the run's planner is installed after the warm-up
@@ -313,9 +314,7 @@ class ContinuousBatchingArm(Arm):
     def _exit_mode(self) -> None:
         if self._mode_cm is None:
             return
-        from impl.vskipper.routed import routed_context
-
-        ctx = routed_context(self.model)
+        ctx = self.binding
         if self.planner is not None or self.planner_factory is not None:
             ctx.planner = self._prev_planner
         self._mode_cm.__exit__(None, None, None)
@@ -337,12 +336,12 @@ class ContinuousBatchingArm(Arm):
         from transformers import GenerationConfig
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
-        from impl.vskipper.engine import routed_cb_config
+        from transformers import ContinuousBatchingConfig
 
         max_new = hint.max_new_tokens if hint is not None else 16
         gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(1, max_new, self.warmup_new_tokens),
                                    eos_token_id=self.eos_token_id)
-        cb = routed_cb_config() if self.cb_config is None else copy.deepcopy(self.cb_config)
+        cb = ContinuousBatchingConfig() if self.cb_config is None else copy.deepcopy(self.cb_config)
         hints = None
         if hint is not None:
             hints = WorkloadHints(max_prompt_length=max(hint.max_prompt_tokens, len(self.warmup_prompt)),
@@ -372,10 +371,8 @@ class ContinuousBatchingArm(Arm):
                     for rid in warm:
                         self._traces.pop(rid, None)
             if self.planner_factory is not None:  # a fresh planner per run, installed after the warm-up
-                from impl.vskipper.routed import routed_context
-
                 self.planner = self.planner_factory()
-                routed_context(self.model).planner = self.planner
+                self.binding.planner = self.planner
             resolved = self._manager.continuous_batching_config
             self._settings = {f.name: _simple(getattr(resolved, f.name)) for f in dataclasses.fields(resolved)}
             if self.freeze_gc:
@@ -418,7 +415,9 @@ class ContinuousBatchingArm(Arm):
 
         Raises:
             RuntimeError: if the arm is not started.
-            ValueError: for a duplicated id, an empty prompt or ``max_new_tokens < 1``.
+            ValueError: for a duplicated id, an empty prompt, ``max_new_tokens < 1``, or a prompt plus
+                ``max_new_tokens`` longer than the model's context (``max_position_embeddings``; the HTTP
+                server refuses the same request with a 400).
         """
         mgr = self._manager
         if mgr is None:
@@ -429,6 +428,11 @@ class ContinuousBatchingArm(Arm):
         n = int(max_new_tokens)
         if n < 1:
             raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens!r}")
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        ctx = getattr(cfg, "max_position_embeddings", None)
+        if ctx and len(ids) + n > int(ctx):
+            raise ValueError(f"request {request_id!r}: prompt ({len(ids)} tokens) + max_new_tokens ({n}) exceeds the "
+                             f"model's context length {ctx}")
         rid = str(request_id)
         with self._cond:
             if rid in self._traces:
@@ -564,11 +568,15 @@ class HTTPCompletionsArm(Arm):
         ignore_eos_via: ``"generation_config"``, ``"field"`` or None (see above).
         request_timeout_s: socket timeout of each request, seconds.
         extra_body: fields merged into every request body (e.g. ``{"seed": 0}``).
+        include_usage: ask for the final usage chunk (``stream_options.include_usage``, the OpenAI API;
+            the project's server, vLLM and SGLang honour it). Off by default: ``transformers serve``
+            refuses unknown fields with a 422. Without it the output token count is the number of
+            streamed chunks and the prompt token count is unknown (None).
     """
 
     def __init__(self, base_url: str, model: str, *, detokenize: Callable[[list[int]], str], name: str = "http",
                  ignore_eos_via: str | None = "generation_config", request_timeout_s: float = 600.0,
-                 extra_body: Mapping[str, Any] | None = None):
+                 extra_body: Mapping[str, Any] | None = None, include_usage: bool = False):
         if ignore_eos_via not in ("generation_config", "field", None):
             raise ValueError(f"ignore_eos_via must be 'generation_config', 'field' or None, got {ignore_eos_via!r}")
         self.base_url = base_url.rstrip("/")
@@ -580,6 +588,7 @@ class HTTPCompletionsArm(Arm):
         self.supports_ignore_eos = ignore_eos_via is not None
         self.request_timeout_s = float(request_timeout_s)
         self.extra_body = dict(extra_body or {})
+        self.include_usage = bool(include_usage)
         self._cond = threading.Condition()
         self._traces: dict[str, Trace] = {}
         self._threads: list[threading.Thread] = []
@@ -608,6 +617,8 @@ class HTTPCompletionsArm(Arm):
         n = int(max_new_tokens)
         body: dict[str, Any] = {"model": self.model, "prompt": self.detokenize([int(t) for t in input_ids]),
                                 "max_tokens": n, "temperature": 0.0, "stream": True}
+        if self.include_usage:
+            body["stream_options"] = {"include_usage": True}
         if ignore_eos:
             if self.ignore_eos_via is None:
                 raise NotImplementedError(

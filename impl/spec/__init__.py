@@ -3,12 +3,40 @@
 Depth-selection baselines of DEX Sec. 4 / App. D: LayerSkip self-speculation (:mod:`.self_spec`),
 AdaDecode (:mod:`.adadecode`) and DEL (:mod:`.dynamic_exit`); each is lossless and charges its
 layer work and critical-path layers per round.
+
+Names are exported lazily (PEP 562): importing the package (e.g. for its light ``schema``
+module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`` imports X's module.
 """
 
-from .adadecode import AdaDecodeResult, adadecode_decode, uniform_shortcut_layers
-from .ar import ARResult, ar_decode
-from .dynamic_exit import DELResult, dynamic_exit_decode
-from .self_spec import SelfSpecResult, self_spec_decode
+from __future__ import annotations
 
-__all__ = ["ARResult", "ar_decode", "SelfSpecResult", "self_spec_decode", "AdaDecodeResult", "adadecode_decode",
-           "uniform_shortcut_layers", "DELResult", "dynamic_exit_decode"]
+import importlib
+
+#: exported name -> the submodule that defines it
+_EXPORTS = {
+    'AdaDecodeResult': '.adadecode',
+    'adadecode_decode': '.adadecode',
+    'uniform_shortcut_layers': '.adadecode',
+    'ARResult': '.ar',
+    'ar_decode': '.ar',
+    'DELResult': '.dynamic_exit',
+    'dynamic_exit_decode': '.dynamic_exit',
+    'SelfSpecResult': '.self_spec',
+    'self_spec_decode': '.self_spec',
+}
+
+__all__ = ['ARResult', 'ar_decode', 'SelfSpecResult', 'self_spec_decode', 'AdaDecodeResult', 'adadecode_decode', 'uniform_shortcut_layers', 'DELResult', 'dynamic_exit_decode']
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -15,82 +15,71 @@ ExitTrain (Sec. 5-6.2; ``train``): the drafter is fine-tuned with L_tok + lambda
 L_exit (Eq. 14, App. C.2 row form) reweights the draft likelihood of every node of the tree the
 current drafter builds by its detached exit mass w(v); token-only and prefix-weighted controls share
 the initialisation, the rollouts (``drafter.make_rollouts``) and the data order.
+
+Names are exported lazily (PEP 562): importing the package (e.g. for its light ``schema``
+module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`` imports X's module.
 """
 
-from .builder import best_first_tree, chain_tree
-from .decode import FixedDrafter, TEVResult, commit_cache, tev_decode
-from .drafter import (
-    BlockDrafter,
-    DrafterConfig,
-    DrafterTrainConfig,
-    RolloutData,
-    drafter_dir_for,
-    evaluate_drafter,
-    make_rollouts,
-    sharegpt_prompt_ids,
-    sharegpt_prompt_texts,
-    target_features,
-    train_drafter,
-)
-from .exit_law import (
-    check_target_probs,
-    exit_law,
-    expected_block_length,
-    residual_distribution,
-    target_coverage,
-)
-from .train import (
-    OBJECTIVES,
-    ExitTrainConfig,
-    evaluate_decoding,
-    evaluate_trees,
-    exit_loss,
-    prefix_weights,
-    train_exittrain,
-    tree_target_logits,
-)
-from .tree import DraftTree, ancestor_mask, path_to, tree_attention_mask, validate_tree
-from .verify import VERIFIERS, greedy_follow, predraw_follow, sequential_residual, tev
+from __future__ import annotations
 
-__all__ = [
-    "BlockDrafter",
-    "DraftTree",
-    "DrafterConfig",
-    "DrafterTrainConfig",
-    "ExitTrainConfig",
-    "OBJECTIVES",
-    "RolloutData",
-    "FixedDrafter",
-    "TEVResult",
-    "best_first_tree",
-    "chain_tree",
-    "commit_cache",
-    "drafter_dir_for",
-    "evaluate_decoding",
-    "evaluate_drafter",
-    "evaluate_trees",
-    "exit_loss",
-    "make_rollouts",
-    "prefix_weights",
-    "sharegpt_prompt_ids",
-    "sharegpt_prompt_texts",
-    "target_features",
-    "tev_decode",
-    "train_drafter",
-    "train_exittrain",
-    "tree_target_logits",
-    "VERIFIERS",
-    "ancestor_mask",
-    "check_target_probs",
-    "exit_law",
-    "expected_block_length",
-    "greedy_follow",
-    "path_to",
-    "predraw_follow",
-    "residual_distribution",
-    "sequential_residual",
-    "target_coverage",
-    "tev",
-    "tree_attention_mask",
-    "validate_tree",
-]
+import importlib
+
+#: exported name -> the submodule that defines it
+_EXPORTS = {
+    'best_first_tree': '.builder',
+    'chain_tree': '.builder',
+    'FixedDrafter': '.decode',
+    'TEVResult': '.decode',
+    'commit_cache': '.decode',
+    'tev_decode': '.decode',
+    'BlockDrafter': '.drafter',
+    'DrafterConfig': '.drafter',
+    'DrafterTrainConfig': '.drafter',
+    'RolloutData': '.drafter',
+    'drafter_dir_for': '.drafter',
+    'evaluate_drafter': '.drafter',
+    'make_rollouts': '.drafter',
+    'sharegpt_prompt_ids': '.drafter',
+    'sharegpt_prompt_texts': '.drafter',
+    'target_features': '.drafter',
+    'train_drafter': '.drafter',
+    'check_target_probs': '.exit_law',
+    'exit_law': '.exit_law',
+    'expected_block_length': '.exit_law',
+    'residual_distribution': '.exit_law',
+    'target_coverage': '.exit_law',
+    'OBJECTIVES': '.train',
+    'ExitTrainConfig': '.train',
+    'evaluate_decoding': '.train',
+    'evaluate_trees': '.train',
+    'exit_loss': '.train',
+    'prefix_weights': '.train',
+    'train_exittrain': '.train',
+    'tree_target_logits': '.train',
+    'DraftTree': '.tree',
+    'ancestor_mask': '.tree',
+    'path_to': '.tree',
+    'tree_attention_mask': '.tree',
+    'validate_tree': '.tree',
+    'VERIFIERS': '.verify',
+    'greedy_follow': '.verify',
+    'predraw_follow': '.verify',
+    'sequential_residual': '.verify',
+    'tev': '.verify',
+}
+
+__all__ = ['BlockDrafter', 'DraftTree', 'DrafterConfig', 'DrafterTrainConfig', 'ExitTrainConfig', 'OBJECTIVES', 'RolloutData', 'FixedDrafter', 'TEVResult', 'best_first_tree', 'chain_tree', 'commit_cache', 'drafter_dir_for', 'evaluate_decoding', 'evaluate_drafter', 'evaluate_trees', 'exit_loss', 'make_rollouts', 'prefix_weights', 'sharegpt_prompt_ids', 'sharegpt_prompt_texts', 'target_features', 'tev_decode', 'train_drafter', 'train_exittrain', 'tree_target_logits', 'VERIFIERS', 'ancestor_mask', 'check_target_probs', 'exit_law', 'expected_block_length', 'greedy_follow', 'path_to', 'predraw_follow', 'residual_distribution', 'sequential_residual', 'target_coverage', 'tev', 'tree_attention_mask', 'validate_tree']
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -25,18 +25,18 @@ DRAFTER_KEYS = ("base", "token", "prefix", "exit")
 def cmd_tev_train(args) -> None:
     import torch
 
-    from ..cli import _config, _load
+    from ..runtime import config_from_args, load_for
     from ..models.load import load_tokenizer
     from ..provenance import atomic_path, provenance, write_json
     from .drafter import DrafterConfig, DrafterTrainConfig, make_rollouts, sharegpt_prompt_ids, train_drafter
     from .train import ExitTrainConfig, train_exittrain
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     if "tev" not in cfg:
         raise SystemExit("error: the config has no 'tev' section")
     t, d, e = cfg["tev"], cfg["tev"]["drafter"], cfg["tev"]["exittrain"]
     torch.set_num_threads(d["threads"])
-    target = _load(cfg, args.model_dir)
+    target = load_for(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
     prompts = sharegpt_prompt_ids(tok, cfg["data_dir"], d["prompts"], max_prompt_tokens=d["prompt_max_tokens"])
     dcfg = DrafterConfig(block_size=d["block_size"], n_layers=d["n_layers"])
@@ -73,17 +73,17 @@ def cmd_tev_train(args) -> None:
 def cmd_tev_cell(args) -> None:
     import torch
 
-    from ..cli import _config, _load
-    from ..provenance import provenance, read_jsonl, write_jsonl
+    from ..runtime import config_from_args, load_for
+    from ..provenance import provenance, write_jsonl
     from .cell import run_tev_cell, tev_arms
     from .drafter import BlockDrafter
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     if "tev" not in cfg:
         raise SystemExit("error: the config has no 'tev' section")
     t = cfg["tev"]
     torch.set_num_threads(cfg["threads"])
-    target = _load(cfg, args.model_dir)
+    target = load_for(cfg, args.model_dir)
     root = Path(args.drafters)
     drafters = {k: BlockDrafter.load(root / k, target) for k in DRAFTER_KEYS if (root / k).is_dir()}
     if "base" not in drafters:
@@ -93,9 +93,9 @@ def cmd_tev_cell(args) -> None:
     eos = target.config.eos_token_id if t["stop_at_eos"] else None
     rows = run_tev_cell(target, drafters, prompts, arms, temperatures=t["temperatures"], depth=t["depth"],
                         max_new_tokens=t["max_new_tokens"], eos=eos, seed=cfg["seed"], progress=not args.quiet)
-    prov = provenance(cfg, seed=cfg["seed"])
+    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
     for r in rows:
-        r.update(model=args.model, **prov)
+        r.update(model=args.model, batch_size=1, **prov)
     write_jsonl(args.out, rows)
     bad = sorted({r["arm"] for r in rows if r.get("ar_match") is False})
     log.info("%s: %d rows; T=0 arms differing from AR: %s", args.out, len(rows), bad or "none")
@@ -104,16 +104,16 @@ def cmd_tev_cell(args) -> None:
 def cmd_tev_latency(args) -> None:
     import torch
 
-    from ..cli import _config, _load
-    from ..provenance import provenance, read_jsonl, write_jsonl
+    from ..runtime import config_from_args, load_for
+    from ..provenance import provenance, write_jsonl
     from .drafter import BlockDrafter
     from .latency import verifier_latency
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     t = cfg["tev"]
     lat = t["latency"]
     torch.set_num_threads(cfg["threads"])
-    target = _load(cfg, args.model_dir)
+    target = load_for(cfg, args.model_dir)
     drafter = BlockDrafter.load(Path(args.drafters) / "base", target)
     prompts = [p["input_ids"] for p in read_prompts(args.prompts) if p.get("input_ids")][: t["n_prompts"]]
     from functools import partial
@@ -129,7 +129,7 @@ def cmd_tev_latency(args) -> None:
     rows = verifier_latency(target, drafter, prompts, budgets=tuple(lat["budgets"]), depth=t["depth"],
                             temperature=lat["temperature"], n_trees=lat["trees"], repeats=lat["repeats"],
                             seed=cfg["seed"], verifiers=verifiers, isolated=("predraw_ddtree_multinomial",))
-    prov = provenance(cfg, seed=cfg["seed"])
+    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
     write_jsonl(args.out, [{**r, "model": args.model, **prov} for r in rows])
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .plan import TreePlan
-from .tree import IntSeq, depth_levels, validate_tree
+from .parents import IntSeq, depth_levels, validate_tree
 
 #: default tolerance on |sum_a probs[v, a] - 1|
 PROB_ATOL = 1e-4

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .tree import IntSeq, validate_tree
+from .parents import IntSeq, validate_tree
 
 
 @dataclass(frozen=True, eq=False)

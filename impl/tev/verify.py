@@ -39,6 +39,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..registry import Registry
 from .exit_law import (
     PROB_ATOL,
     RHO_RECHECK,
@@ -50,7 +51,7 @@ from .exit_law import (
     unchecked_exit_cdf,
 )
 from .plan import TreePlan, tree_plan
-from .tree import IntSeq, path_to, validate_tree
+from .parents import IntSeq, path_to, validate_tree
 
 Verifier = Callable[..., tuple[list[int], int]]
 
@@ -511,9 +512,8 @@ def greedy_follow(parents: IntSeq, tokens: IntSeq, argmax_ids: IntSeq) -> tuple[
     return path, am[path[-1]]
 
 
-#: verifiers by name (the names used in configs and result rows)
-VERIFIERS: dict[str, Verifier] = {
-    "predraw_follow": predraw_follow,
-    "sequential_residual": sequential_residual,
-    "tev": tev,
-}
+#: verifiers by name (the names used in configs and result rows; :class:`impl.registry.Registry`)
+VERIFIERS: Registry[Verifier] = Registry("verifier")
+VERIFIERS.register("predraw_follow", predraw_follow)
+VERIFIERS.register("sequential_residual", sequential_residual)
+VERIFIERS.register("tev", tev)

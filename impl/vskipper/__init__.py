@@ -11,82 +11,66 @@
   its checkpoint and its stage-1 training (Sec. 3.1, 3.4);
 - :mod:`.mode`: the profitability-aware mode switch, the routed-cost profile and the threshold rule
   (Sec. 3.3).
+
+Names are exported lazily (PEP 562): importing the package (e.g. for its light ``schema``
+module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`` imports X's module.
 """
 
-from .skipper import (
-    Action,
-    Phase,
-    RowMeta,
-    Skipper,
-    StaticDepthSkipper,
-    as_run_mask,
-    build_skipper,
-    register_skipper,
-    registered_skippers,
-    request_key,
-    validate_skipper,
-)
-from .random_skip import RandomSkip
-from .routed import (
-    RoutedDecoderLayer,
-    RowContext,
-    install_routed_layers,
-    plain_forward,
-    plain_greedy,
-    remove_routed_layers,
-    routed_context,
-)
-from .engine import bind_skipper, generate_greedy, routed_cb_config, rows_of_batch, unbind_skipper
-from .flexidepth import (
-    FlexiDepthSkipper,
-    FlexiDepthTrainConfig,
-    flexidepth_forward,
-    load_flexidepth,
-    train_and_save,
-    train_flexidepth,
-)
-from .mode import (
-    ModeController,
-    ModeSwitch,
-    derive_thresholds,
-    generate_with_switch,
-    profile_routed_cost,
-)
+from __future__ import annotations
 
-__all__ = [
-    "Action",
-    "Phase",
-    "RowMeta",
-    "Skipper",
-    "StaticDepthSkipper",
-    "RandomSkip",
-    "as_run_mask",
-    "build_skipper",
-    "register_skipper",
-    "registered_skippers",
-    "request_key",
-    "validate_skipper",
-    "RoutedDecoderLayer",
-    "RowContext",
-    "install_routed_layers",
-    "remove_routed_layers",
-    "routed_context",
-    "plain_forward",
-    "plain_greedy",
-    "bind_skipper",
-    "unbind_skipper",
-    "routed_cb_config",
-    "generate_greedy",
-    "rows_of_batch",
-    "FlexiDepthSkipper",
-    "FlexiDepthTrainConfig",
-    "flexidepth_forward",
-    "load_flexidepth",
-    "train_flexidepth",
-    "train_and_save",
-    "ModeSwitch",
-    "ModeController",
-    "generate_with_switch",
-    "profile_routed_cost",
-    "derive_thresholds",
-]
+import importlib
+
+#: exported name -> the submodule that defines it
+_EXPORTS = {
+    'Action': '.skipper',
+    'Phase': '.skipper',
+    'RowMeta': '.skipper',
+    'Skipper': '.skipper',
+    'StaticDepthSkipper': '.skipper',
+    'as_run_mask': '.skipper',
+    'build_skipper': '.skipper',
+    'register_skipper': '.skipper',
+    'registered_skippers': '.skipper',
+    'request_key': '.skipper',
+    'validate_skipper': '.skipper',
+    'RandomSkip': '.random_skip',
+    'RoutedDecoderLayer': '.routed',
+    'RowContext': '.routed',
+    'install_routed_layers': '.routed',
+    'plain_forward': '.routed',
+    'plain_greedy': '.routed',
+    'remove_routed_layers': '.routed',
+    'routed_context': '.routed',
+    'bind_skipper': '.engine',
+    'generate_greedy': '.engine',
+    'routed_cb_config': '.engine',
+    'rows_of_batch': '.engine',
+    'unbind_skipper': '.engine',
+    'FlexiDepthSkipper': '.flexidepth',
+    'FlexiDepthTrainConfig': '.flexidepth',
+    'flexidepth_forward': '.flexidepth',
+    'load_flexidepth': '.flexidepth',
+    'train_and_save': '.flexidepth',
+    'train_flexidepth': '.flexidepth',
+    'ModeController': '.mode',
+    'ModeSwitch': '.mode',
+    'derive_thresholds': '.mode',
+    'generate_with_switch': '.mode',
+    'profile_routed_cost': '.mode',
+}
+
+__all__ = ['Action', 'Phase', 'RowMeta', 'Skipper', 'StaticDepthSkipper', 'RandomSkip', 'as_run_mask', 'build_skipper', 'register_skipper', 'registered_skippers', 'request_key', 'validate_skipper', 'RoutedDecoderLayer', 'RowContext', 'install_routed_layers', 'remove_routed_layers', 'routed_context', 'plain_forward', 'plain_greedy', 'bind_skipper', 'unbind_skipper', 'routed_cb_config', 'generate_greedy', 'rows_of_batch', 'FlexiDepthSkipper', 'FlexiDepthTrainConfig', 'flexidepth_forward', 'load_flexidepth', 'train_flexidepth', 'train_and_save', 'ModeSwitch', 'ModeController', 'generate_with_switch', 'profile_routed_cost', 'derive_thresholds']
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,4 +1,4 @@
-"""vSkipper benchmark command (plugged into ``python -m impl`` through ``impl.cli.COMMAND_MODULES``).
+"""vSkipper benchmark command (plugged into ``python -m impl`` through ``impl.cli.COMMANDS``).
 
 ``vskipper-bench``: per-step timings of the arms (upstream, routed all-RUN, RandomSkip over the r x d
 grid, FlexiDepth when a checkpoint is given, the mode-switch hybrids) on a model directory or on the
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
+
+from ..argtypes import fraction, nonneg_int, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +46,13 @@ def cmd_vskipper_bench(args) -> None:
     """Run the step benchmark on one model and write rows + summary."""
     import torch
 
-    from impl.cli import _config, _load, _threads
+    from impl.runtime import config_from_args, load_for, set_threads
     from impl.provenance import provenance, write_json, write_jsonl
 
     from .bench import WIDE_ARCH, arch_of, check_targets, decode_profile, step_benchmark, wide_model
 
-    cfg = _config(args)
-    _threads(cfg)
+    cfg = config_from_args(args)
+    set_threads(cfg)
     s = _settings(args, cfg)
     if bool(args.wide) == bool(args.model_dir):
         raise SystemExit("error: pass exactly one of --model-dir DIR or --wide")
@@ -61,7 +63,7 @@ def cmd_vskipper_bench(args) -> None:
         label = args.label or "wide"
         source = {"wide": arch, "note": "randomly initialised (seeded); timings only, outputs meaningless"}
     else:
-        model = _load(cfg, args.model_dir)
+        model = load_for(cfg, args.model_dir)
         label = args.label or str(args.model_dir).rstrip("/").split("/")[-1]
         source = {"model_dir": str(args.model_dir)}
     flexi = None
@@ -121,13 +123,13 @@ def cmd_vskipper_http_check(args) -> None:
     CSV with PASS / FAIL verdicts and a summary JSON."""
     import time
 
-    from impl.cli import _config, _threads
+    from impl.runtime import config_from_args, set_threads
     from impl.provenance import provenance
 
     from .http_check import ARMS, CHECKS, HYBRID_SWITCH, check_arms, default_skipper_specs, write_outputs
 
-    cfg = _config(args)
-    _threads(cfg)
+    cfg = config_from_args(args)
+    set_threads(cfg)
     for name in ("ContinuousBatchingLogger", "lm_eval", "lm-eval"):
         logging.getLogger(name).setLevel(logging.WARNING)
     v = (cfg.get("vskipper") or {}) if isinstance(cfg, dict) else {}
@@ -182,22 +184,22 @@ def register(add) -> None:
     sp.add_argument("--label", help="label of the rows (default: model dir name, or 'wide')")
     sp.add_argument("--out", required=True, help="JSONL rows to write")
     sp.add_argument("--summary", required=True, help="summary JSON to write (targets as PASS/FAIL)")
-    sp.add_argument("--prefill-tokens", type=int, nargs="+", help="prefill cells: packed prompt tokens")
-    sp.add_argument("--prompt-len", type=int, help="tokens per packed prompt")
-    sp.add_argument("--decode-requests", type=int, nargs="+", help="decode cells: concurrent requests")
-    sp.add_argument("--decode-context", type=int, help="cached tokens per decode request")
-    sp.add_argument("--repeats", type=int, help="timed rounds per cell (median)")
-    sp.add_argument("--warmup", type=int, help="untimed rounds per cell")
-    sp.add_argument("--r", type=float, nargs="+", help="RandomSkip row fractions")
-    sp.add_argument("--d", type=float, nargs="+", help="RandomSkip layer fractions")
+    sp.add_argument("--prefill-tokens", type=positive_int, nargs="+", help="prefill cells: packed prompt tokens")
+    sp.add_argument("--prompt-len", type=positive_int, help="tokens per packed prompt")
+    sp.add_argument("--decode-requests", type=positive_int, nargs="+", help="decode cells: concurrent requests")
+    sp.add_argument("--decode-context", type=positive_int, help="cached tokens per decode request")
+    sp.add_argument("--repeats", type=positive_int, help="timed rounds per cell (median)")
+    sp.add_argument("--warmup", type=nonneg_int, help="untimed rounds per cell")
+    sp.add_argument("--r", type=fraction, nargs="+", help="RandomSkip row fractions")
+    sp.add_argument("--d", type=fraction, nargs="+", help="RandomSkip layer fractions")
     sp.add_argument("--no-hybrid", dest="hybrid", action="store_const", const=False, help="skip the hybrid arms")
-    sp.add_argument("--profile-repeats", type=int, help="rounds of the routed-cost profile for the thresholds")
-    sp.add_argument("--profile-steps", type=int, help="steps of the decode time profile")
-    sp.add_argument("--profile-requests", type=int, nargs="*", help="decode loads of the time profile")
-    sp.add_argument("--wide-hidden", type=int)
-    sp.add_argument("--wide-intermediate", type=int)
-    sp.add_argument("--wide-layers", type=int)
-    sp.add_argument("--wide-heads", type=int)
+    sp.add_argument("--profile-repeats", type=positive_int, help="rounds of the routed-cost profile for the thresholds")
+    sp.add_argument("--profile-steps", type=positive_int, help="steps of the decode time profile")
+    sp.add_argument("--profile-requests", type=positive_int, nargs="*", help="decode loads of the time profile")
+    sp.add_argument("--wide-hidden", type=positive_int)
+    sp.add_argument("--wide-intermediate", type=positive_int)
+    sp.add_argument("--wide-layers", type=positive_int)
+    sp.add_argument("--wide-heads", type=positive_int)
     sp = add("vskipper-bench-tables", cmd_vskipper_bench_tables, "tables of the vSkipper step benchmark")
     sp.add_argument("--summaries", nargs="+", required=True, help="vskipper-bench summary JSON files")
     sp.add_argument("--out-dir", required=True, help="tables directory")
@@ -212,16 +214,16 @@ def register(add) -> None:
                                                        "(repeatable; e.g. randomskip:r=0.5,d=0.5)")
     sp.add_argument("--also-randomskip", action="store_true",
                     help="with a FlexiDepth checkpoint, run the routed arms with RandomSkip too")
-    sp.add_argument("--r", type=float, default=0.5, help="RandomSkip row fraction (default 0.5)")
-    sp.add_argument("--d", type=float, default=0.5, help="RandomSkip layer fraction (default 0.5)")
+    sp.add_argument("--r", type=fraction, default=0.5, help="RandomSkip row fraction (default 0.5)")
+    sp.add_argument("--d", type=fraction, default=0.5, help="RandomSkip layer fraction (default 0.5)")
     sp.add_argument("--arms", nargs="+", help="arms (default: upstream hybrid always-route)")
     sp.add_argument("--checks", nargs="+", help="checks (default: client_stream greedy_ids lm_eval endpoints)")
-    sp.add_argument("--n-prompts", type=int, default=4, help="requests per client check (default 4)")
-    sp.add_argument("--max-tokens", type=int, default=16, help="tokens per ignore_eos request (default 16)")
-    sp.add_argument("--limit", type=int, default=4, help="GSM8K documents evaluated by lm-eval (default 4)")
-    sp.add_argument("--num-fewshot", type=int, help="GSM8K few-shot (default: vskipper.quality.gsm8k_num_fewshot, "
+    sp.add_argument("--n-prompts", type=positive_int, default=4, help="requests per client check (default 4)")
+    sp.add_argument("--max-tokens", type=positive_int, default=16, help="tokens per ignore_eos request (default 16)")
+    sp.add_argument("--limit", type=positive_int, default=4, help="GSM8K documents evaluated by lm-eval (default 4)")
+    sp.add_argument("--num-fewshot", type=nonneg_int, help="GSM8K few-shot (default: vskipper.quality.gsm8k_num_fewshot, "
                                                     "else the task's 5)")
-    sp.add_argument("--max-gen-toks", type=int, help="lm-eval budget per document (default: "
+    sp.add_argument("--max-gen-toks", type=positive_int, help="lm-eval budget per document (default: "
                                                      "vskipper.quality.max_gen_toks.gsm8k, else 32)")
     sp.add_argument("--label", help="model column and served model name (default: the directory's name)")
     sp.add_argument("--out", required=True, help="CSV rows to write")

@@ -437,11 +437,15 @@ def load_flexidepth(path: str | Path, model=None, *, device=None, dtype: torch.d
 
 
 @register_skipper("flexidepth")
-def _build_flexidepth(checkpoint: str | Path | None = None, **kwargs) -> FlexiDepthSkipper:
-    """Registry factory: ``checkpoint=DIR`` loads a checkpoint (``model=`` optional), otherwise the
-    arguments go to :class:`FlexiDepthSkipper`."""
+def flexidepth_factory(checkpoint: str | Path | None = None, model=None, path: str | Path | None = None,
+                      **kwargs) -> FlexiDepthSkipper:
+    """Registry factory: ``checkpoint=DIR`` (or ``path=DIR``) loads a checkpoint, checked against
+    ``model`` when given; otherwise the arguments go to :class:`FlexiDepthSkipper`."""
+    checkpoint = checkpoint if checkpoint is not None else path
     if checkpoint is not None:
-        return load_flexidepth(checkpoint, **kwargs)
+        return load_flexidepth(checkpoint, model, **kwargs)
+    if not kwargs:
+        raise ValueError("flexidepth needs a checkpoint directory: 'flexidepth:DIR'")
     return FlexiDepthSkipper(**kwargs)
 
 

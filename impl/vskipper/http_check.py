@@ -131,7 +131,7 @@ def load_prompts(path: str | os.PathLike, n: int) -> tuple[list[list[int]], list
 
 def default_skipper_specs(flexidepth: str | os.PathLike | None = None,
                           randomskip: str = "r=0.5,d=0.5") -> list[str]:
-    """The skipper specs of the routed arms (:func:`impl.vskipper.server.parse_skipper_spec` syntax):
+    """The skipper specs of the routed arms (:func:`impl.vskipper.spec.parse_skipper_spec` syntax):
     the FlexiDepth checkpoint when one is given and present, else RandomSkip with ``randomskip``'s
     parameters (``r=...,d=...[,seed=...,layers=...]``)."""
     if flexidepth is not None and (Path(flexidepth) / "flexidepth.json").is_file():
@@ -173,7 +173,7 @@ def in_process_reference(model_dir: str | os.PathLike, arm: str, skipper_spec: A
     Args:
         model_dir: the Hugging Face model directory (loaded afresh here, on ``device`` in ``dtype``).
         arm: ``upstream``, ``hybrid`` or ``always-route``.
-        skipper_spec: the routed arms' policy (:func:`~impl.vskipper.server.parse_skipper_spec`).
+        skipper_spec: the routed arms' policy (:func:`~impl.vskipper.spec.parse_skipper_spec`).
         prompts, request_ids: the requests (the ids matter to RandomSkip).
         max_tokens: tokens per request.
         switch: ``ModeSwitch`` fields of the hybrid arm (default :data:`HYBRID_SWITCH`).
@@ -189,7 +189,7 @@ def in_process_reference(model_dir: str | os.PathLike, arm: str, skipper_spec: A
 
     from .engine import bind_skipper, generate_greedy, routed_cb_config, unbind_skipper
     from .mode import ModeController, ModeSwitch
-    from .server import parse_skipper_spec
+    from .spec import parse_skipper_spec
 
     if arm not in ARMS:
         raise ValueError(f"in-process reference for arm {arm!r}: choose from {', '.join(ARMS)}")
@@ -241,7 +241,7 @@ def _stream_ids(url: str, body: Mapping[str, Any], request_id: str, timeout: flo
     Returns a dict with those and ``error`` (None on success)."""
     out: dict[str, Any] = {"token_ids": [], "chunks": 0, "finish_reason": None, "usage": None, "vskipper": None,
                            "done": False, "error": None}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(dict(body, stream=True)).encode(),
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(dict(body, stream=True, stream_options={"include_usage": True})).encode(),
                                  method="POST",
                                  headers={"Content-Type": "application/json", "X-Request-ID": request_id})
     try:
@@ -288,7 +288,7 @@ def _token_id_client(base_url: str, model: str, tokenizer, name: str):
             return b
 
     return _TokenIdPrompts(base_url, model, detokenize=lambda ids: tokenizer.decode(ids), name=name,
-                           ignore_eos_via="field", request_timeout_s=_TIMEOUT_S)
+                           ignore_eos_via="field", request_timeout_s=_TIMEOUT_S, include_usage=True)
 
 
 def _shares(url: str, arm: str) -> tuple[float | None, float | None]:
@@ -388,7 +388,7 @@ def _check_lm_eval(server, model_dir: Path, tm, limit: int, seed: int) -> dict:
     """``lm_eval``: ``simple_evaluate(model="local-completions")`` against the arm (module docstring)."""
     import lm_eval
 
-    from impl.quality.run import offline
+    from impl.vskipper.quality_run import offline
 
     eng = server.engine
     before = eng.counters["requests"]
@@ -496,7 +496,7 @@ def check_arms(
         model_dir: the Hugging Face model directory (with its tokenizer).
         arms: arms among :data:`ARMS`.
         skipper_spec: the routed arms' policy, a spec or a list of specs
-            (:func:`~impl.vskipper.server.parse_skipper_spec`, e.g. ``"flexidepth:DIR"``,
+            (:func:`~impl.vskipper.spec.parse_skipper_spec`, e.g. ``"flexidepth:DIR"``,
             ``"randomskip:r=0.5,d=0.5"``); each routed arm runs once per spec, ``upstream`` once.
             Required when a routed arm is asked for.
         prompts: token-id prompts, or a workload suite JSONL file (:func:`load_prompts`); the first
@@ -572,7 +572,7 @@ def check_arms(
         if "lm_eval" in checks:
             from lm_eval.tasks import TaskManager
 
-            from impl.quality.run import offline
+            from impl.vskipper.quality_run import offline
             from impl.quality.tasks import TaskOptions, write_task_yamls
 
             opts = TaskOptions(gsm8k_max_gen_toks=int(max_gen_toks), datasets_cache_dir=str(work / "hf"),

@@ -42,12 +42,15 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from ..registry import Registry
+
 __all__ = [
     "Action",
     "Phase",
     "RowMeta",
     "Skipper",
     "StaticDepthSkipper",
+    "SKIPPERS",
     "register_skipper",
     "build_skipper",
     "registered_skippers",
@@ -372,37 +375,28 @@ class Skipper(nn.Module):
 
 
 # -- registry -----------------------------------------------------------------------------------------
-_REGISTRY: dict[str, Callable[..., Skipper]] = {}
+#: the skip policies by name (:class:`impl.registry.Registry`; classes or factories of a Skipper)
+SKIPPERS: Registry[Callable[..., Skipper]] = Registry("skipper", base=Skipper)
+# the built-in policies, lazily (their modules register the same objects again when imported)
+SKIPPERS.register("random", "impl.vskipper.random_skip:RandomSkip", aliases=("randomskip", "random_skip", "random-skip"))
+SKIPPERS.register("flexidepth", "impl.vskipper.flexidepth:flexidepth_factory")
 
 
-def register_skipper(name: str):
-    """Class (or factory) decorator registering a skip policy under ``name`` for :func:`build_skipper`.
+def register_skipper(name: str, *, aliases: Sequence[str] = ()):
+    """Class (or factory) decorator registering a skip policy under ``name`` (and ``aliases``) in
+    :data:`SKIPPERS`, for :func:`build_skipper` and the skipper-spec grammar (:mod:`impl.vskipper.spec`).
 
     Raises:
         ValueError: if ``name`` is empty or already registered to a different object.
     """
     if not isinstance(name, str) or not name:
         raise ValueError("a skipper name must be a non-empty string")
-
-    def deco(obj):
-        prev = _REGISTRY.get(name)
-        if prev is not None and prev is not obj and getattr(prev, "__qualname__", None) != getattr(
-            obj, "__qualname__", None
-        ):
-            raise ValueError(f"skipper name {name!r} is already registered to {prev!r}")
-        _REGISTRY[name] = obj
-        try:
-            obj.registered_name = name
-        except (AttributeError, TypeError):
-            pass
-        return obj
-
-    return deco
+    return SKIPPERS.register(name, aliases=tuple(aliases))
 
 
 def registered_skippers() -> list[str]:
     """Sorted names of the registered skip policies."""
-    return sorted(_REGISTRY)
+    return sorted(SKIPPERS.names())
 
 
 def build_skipper(name: str, **kwargs) -> Skipper:
@@ -412,11 +406,7 @@ def build_skipper(name: str, **kwargs) -> Skipper:
         ValueError: for an unknown name (the message lists the registered ones) or when the factory
             does not return a :class:`Skipper`.
     """
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown skipper {name!r}; registered: {', '.join(registered_skippers()) or '(none)'}")
-    skipper = factory(**kwargs)
+    skipper = SKIPPERS.build(name, **kwargs)
     if not isinstance(skipper, Skipper):
         raise ValueError(f"skipper factory {name!r} returned {type(skipper).__name__}, not a Skipper")
     return skipper
@@ -516,7 +506,7 @@ def validate_skipper(
 
 
 # -- the worked plugin example (App. A) ---------------------------------------------------------------
-@register_skipper("static-depth")
+@register_skipper("static-depth", aliases=("static", "static_depth"))
 class StaticDepthSkipper(Skipper):
     """Static-depth policy (vSkipper App. A, the plugin example): every row RUNs the first ``n_run``
     routed layers and takes Project-Only on the remaining ones (no projector: identity).

@@ -15,14 +15,14 @@ Outputs (``out`` is a directory):
   ``/v1/vskipper/stats`` after the arm);
 - ``requests.jsonl``: one row per document of the reference arm (the first): ``task``, ``doc_id``,
   ``request_id``, ``prompt_ids``, ``prompt_hash``, ``until`` (stop strings), ``max_gen_toks``,
-  ``max_length``, ``add_bos_token`` - what the served-at-knee pass replays (:mod:`impl.quality.served`).
+  ``max_length``, ``add_bos_token`` - what the served-at-knee pass replays (:mod:`impl.vskipper.quality_served`).
 
 Arms C and D are served over HTTP by default (``served="http"``): for each, a
-:class:`~impl.quality.arms.ServedEndpoint` (the vSkipper server, ``upstream`` for C, ``always-route``
+:class:`~impl.vskipper.quality_arms.ServedEndpoint` (the vSkipper server, ``upstream`` for C, ``always-route``
 with the skipper for D) is started in this process on 127.0.0.1, port 0, lm-eval's
-``local-completions`` client (:class:`~impl.quality.arms.RecordingCompletionsLM`) evaluates the tasks
+``local-completions`` client (:class:`~impl.vskipper.quality_arms.RecordingCompletionsLM`) evaluates the tasks
 against it, and the server is shut down after the arm. ``served="inprocess"`` runs them as
-:class:`~impl.quality.arms.EngineLM` on the same engine without HTTP.
+:class:`~impl.vskipper.quality_arms.EngineLM` on the same engine without HTTP.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 
 from impl.provenance import provenance, write_json, write_jsonl
 
-from .arms import (
+from .quality_arms import (
     ARMS,
     SERVER_ARM,
     EngineLM,
@@ -52,8 +52,8 @@ from .arms import (
     default_max_length,
     eos_ids_of,
 )
-from .did import check_prompt_hashes, first_token_agreement, per_doc_scores, summarize
-from .tasks import PRIMARY_METRIC, QUALITY_SUITES, TaskOptions, TaskSet, write_task_yamls
+from impl.quality.did import check_prompt_hashes, first_token_agreement, per_doc_scores, summarize
+from impl.quality.tasks import PRIMARY_METRIC, QUALITY_SUITES, TaskOptions, TaskSet, write_task_yamls
 
 __all__ = ["QualityResult", "run_quality", "resolve_skipper", "offline", "request_rows", "SERVED_MODES"]
 
@@ -261,7 +261,7 @@ def run_quality(
         arms: the arms to run; the DiD needs all four.
         served: ``"http"`` (default): C and D are served by the vSkipper HTTP server in this process and
             evaluated by lm-eval's ``local-completions`` client; ``"inprocess"``: the same engine
-            without HTTP (:class:`~impl.quality.arms.EngineLM`).
+            without HTTP (:class:`~impl.vskipper.quality_arms.EngineLM`).
         http_concurrency: HTTP requests in flight (default: ``cb_config.max_requests_per_batch``, else 8).
         max_logprobs: top-k log-probabilities the served arms return for first-token agreement.
         request_timeout_s: per-request timeout of the served arms, seconds.

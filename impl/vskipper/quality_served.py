@@ -10,7 +10,7 @@ routed mode ("routed: share of decode rows, hybrid / always-route").
 :func:`run_served_knee` does this for one suite:
 
 1. **Requests.** Each document's request is taken from the quality run (``requests.jsonl`` of
-   :func:`impl.quality.run.run_quality`): its prompt token ids (the ids all four 2x2 arms fed), its stop
+   :func:`impl.vskipper.quality_run.run_quality`): its prompt token ids (the ids all four 2x2 arms fed), its stop
    strings (lm-eval's ``until`` plus the EOS string) and its budget ``max_gen_toks``; the request id is
    ``<task>/<doc_id>`` as in arms B and D. Optionally the stream is padded to ``n_requests`` requests
    with the load workload's frozen token-id prompts (natural generation to EOS or the workload's cap,
@@ -22,11 +22,11 @@ routed mode ("routed: share of decode rows, hybrid / always-route").
    same schedule and order are replayed against each arm. :func:`run_stream` is an open-loop client
    (one thread per request, no concurrency cap, every request served to completion) POSTing token-id
    prompts with ``stop``, ``max_tokens`` and ``request_id`` to ``/v1/completions`` of a
-   :class:`~impl.quality.arms.ServedEndpoint` (the vSkipper HTTP server in this process on 127.0.0.1,
+   :class:`~impl.vskipper.quality_arms.ServedEndpoint` (the vSkipper HTTP server in this process on 127.0.0.1,
    port 0): ``hybrid`` (the given :class:`~impl.vskipper.mode.ModeSwitch`) and ``always-route``, each a
    fresh engine (fresh switch state) on the same engine settings.
 3. **Cut and score.** Each response's token ids are cut by the 2x2's stop rule
-   (:class:`~impl.quality.arms.StopRule`, HFLM's) and decoded into the scored text. Scoring runs lm-eval
+   (:class:`~impl.vskipper.quality_arms.StopRule`, HFLM's) and decoded into the scored text. Scoring runs lm-eval
    itself (:func:`lm_eval.simple_evaluate` over the same generated task YAMLs, documents and seeds) with
    :class:`ReplayLM`, which answers each ``generate_until`` request with its document's served text after
    checking that lm-eval's context encodes to the recorded prompt ids (prompt-hash gate): the task's own
@@ -151,7 +151,7 @@ class ServedKneeResult:
         Raises:
             KeyError: when there is no such row.
         """
-        from .tasks import PRIMARY_METRIC
+        from impl.quality.tasks import PRIMARY_METRIC
 
         if metric is None:
             m, f = PRIMARY_METRIC[suite]
@@ -167,7 +167,7 @@ def doc_requests(rows: Iterable[Mapping[str, Any]]) -> list[StreamRequest]:
     """The documents' requests from ``requests.jsonl`` rows of the quality run (sorted by task, doc id).
 
     Args:
-        rows: request rows (:func:`impl.quality.run.request_rows`): ``task``, ``doc_id``, ``request_id``,
+        rows: request rows (:func:`impl.vskipper.quality_run.request_rows`): ``task``, ``doc_id``, ``request_id``,
             ``prompt_ids``, ``prompt_hash``, ``until``, ``max_gen_toks``, ``max_length``.
 
     Raises:
@@ -176,7 +176,7 @@ def doc_requests(rows: Iterable[Mapping[str, Any]]) -> list[StreamRequest]:
 
     Source: vSkipper App. E.1 (identical token ids in every arm), Table 5 (right).
     """
-    from .arms import prompt_hash
+    from .quality_arms import prompt_hash
 
     out: dict[tuple[str, int], StreamRequest] = {}
     for i, r in enumerate(rows):
@@ -308,7 +308,7 @@ def run_stream(url: str, model: str, stream: Sequence[StreamRequest], schedule, 
 
     Source: vSkipper Sec. 4.1 "Load" (seeded Poisson arrivals, no client-side concurrency cap).
     """
-    from .arms import post_json
+    from .quality_arms import post_json
 
     if len(stream) != len(schedule.offsets_s):
         raise ValueError(f"{len(stream)} requests but {len(schedule.offsets_s)} scheduled arrivals")
@@ -362,7 +362,7 @@ class ReplayLM:
     ``lm_eval.api.model.LM``; use :meth:`make`).
 
     Each request's context is re-encoded with the quality run's rule
-    (:func:`~impl.quality.arms.encode_context`, left truncation to ``max_length - max_gen_toks``) and
+    (:func:`~impl.vskipper.quality_arms.encode_context`, left truncation to ``max_length - max_gen_toks``) and
     must hash to the document's recorded prompt hash (else
     :class:`~impl.quality.did.PromptMismatchError`); a document without a served text is an error.
     """
@@ -383,8 +383,8 @@ class ReplayLM:
         from lm_eval.api.model import LM
         from lm_eval.models.utils import normalize_gen_kwargs
 
-        from .arms import encode_context, prompt_hash
-        from .did import PromptMismatchError
+        from .quality_arms import encode_context, prompt_hash
+        from impl.quality.did import PromptMismatchError
 
         class _Replay(LM):
             def __init__(self):
@@ -509,7 +509,7 @@ def run_served_knee(
     Args:
         model_dir: the base model directory (its tokenizer is the quality run's).
         skipper: the checkpoint's skipper: a :class:`~impl.vskipper.skipper.Skipper` or a spec for
-            :func:`impl.vskipper.server.parse_skipper_spec` (e.g. ``"flexidepth:DIR"``).
+            :func:`impl.vskipper.spec.parse_skipper_spec` (e.g. ``"flexidepth:DIR"``).
         requests: the quality run's request rows of this suite (``requests.jsonl``).
         data_dir: the data folder (task YAMLs are regenerated over it).
         suite: ``gsm8k``, ``bbh`` or ``coqa``.
@@ -547,12 +547,13 @@ def run_served_knee(
     from impl.provenance import provenance, write_json, write_jsonl
     from impl.serving.arrivals import poisson_arrivals
     from impl.serving.protocol import cell_seed
-    from impl.vskipper.server import ARMS as SERVER_ARMS, parse_skipper_spec
+    from impl.vskipper.driver import ARMS as SERVER_ARMS
+    from impl.vskipper.spec import parse_skipper_spec
 
-    from .arms import ServedEndpoint, StopRule, eos_ids_of, prompt_hash
-    from .did import PromptMismatchError, per_doc_scores
-    from .run import _evaluate, _jsonable, offline
-    from .tasks import PRIMARY_METRIC, TaskOptions, write_task_yamls
+    from .quality_arms import ServedEndpoint, StopRule, eos_ids_of, prompt_hash
+    from impl.quality.did import PromptMismatchError, per_doc_scores
+    from .quality_run import _evaluate, _jsonable, offline
+    from impl.quality.tasks import PRIMARY_METRIC, TaskOptions, write_task_yamls
 
     arms = list(arms)
     if len(arms) != 2 or len(set(arms)) != 2 or any(a not in SERVER_ARMS or a == "upstream" for a in arms):

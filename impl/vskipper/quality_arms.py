@@ -19,7 +19,7 @@ D      checkpoint, served always-route         the same client against a :class:
                                                ``arm="always-route"`` with the skipper bound
 =====  =====================================  ==========================================================
 
-**Served arms over HTTP (the default, ``served="http"`` in :func:`impl.quality.run.run_quality`).** As in
+**Served arms over HTTP (the default, ``served="http"`` in :func:`impl.vskipper.quality_run.run_quality`).** As in
 the paper, lm-eval is an API client of the served arms: :class:`RecordingCompletionsLM` is lm-eval's
 ``LocalCompletionsAPI`` (``local-completions``) with ``tokenized_requests=True``, ``batch_size=1`` and
 ``num_concurrent`` requests in flight (lm-eval's async path), POSTing token-id prompts to
@@ -60,7 +60,7 @@ without special tokens and cut at the first stop string. The in-process engine c
 so :class:`EngineLM` generates to EOS / ``max_gen_toks`` and is cut by the same rule afterwards (greedy
 decoding is causal, so the kept prefix is what an early stop would have produced); the HTTP server
 stops on the stop strings itself and the rule is applied to its ids as a check. Every record keeps the
-request's stop strings (``until``), which the served-at-knee pass (:mod:`impl.quality.served`) replays.
+request's stop strings (``until``), which the served-at-knee pass (:mod:`impl.vskipper.quality_served`) replays.
 
 First-token log-probabilities (App. E.1): A and B from their own forward (full vocabulary); the
 in-process engine from a hook on its LM head; the HTTP arms from the server's ``logprobs`` (the top
@@ -119,7 +119,7 @@ ARMS: dict[str, str] = {
     "C": "base model, served by the upstream arm (dense engine)",
     "D": "checkpoint, served by vSkipper always-route",
 }
-#: served arm -> the server arm (:data:`impl.vskipper.server.ARMS`) it runs on
+#: served arm -> the server arm (:data:`impl.vskipper.driver.ARMS`) it runs on
 SERVER_ARM: dict[str, str] = {"C": "upstream", "D": "always-route"}
 
 #: lm-eval's HF backend default generation budget (``HFLM.max_gen_toks``).
@@ -581,7 +581,7 @@ class ServedEndpoint:
     ids the engine received (:attr:`received`).
 
     Args:
-        model: the causal LM, unbound (see :class:`impl.vskipper.server.CompletionEngine`).
+        model: the causal LM, unbound (see :class:`impl.vskipper.driver.CompletionEngine`).
         tokenizer: its tokenizer.
         arm: a server arm: ``"upstream"``, ``"hybrid"``, ``"always-route"`` (or an ablation).
         skipper: the policy (required by every arm but ``upstream``).
@@ -599,7 +599,7 @@ class ServedEndpoint:
     def __init__(self, model, tokenizer, arm: str, *, skipper=None, switch=None, cb_config=None,
                  served_model_name: str = "model", max_logprobs: int = 5, request_timeout_s: float = 3600.0,
                  host: str = "127.0.0.1"):
-        from impl.vskipper.server import CompletionEngine
+        from impl.vskipper.driver import CompletionEngine
 
         self.arm = arm
         self.host = host
@@ -616,7 +616,7 @@ class ServedEndpoint:
         Raises:
             RuntimeError: if already started or the engine's warm-up fails.
         """
-        from impl.vskipper.server import make_server
+        from impl.vskipper.api_server import make_server
 
         if self.server is not None:
             raise RuntimeError("endpoint already started")

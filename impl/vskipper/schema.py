@@ -1,7 +1,7 @@
 """The optional ``vskipper:`` config section (vSkipper Sec. 4, Tables 2-7, Fig. 3): JSON schema,
 defaults and cross-checks. Absent section = no vSkipper serving rules.
 
-Plugged into :mod:`impl.config` through ``SECTION_MODULES``: this module exposes :data:`SECTION` (the
+Plugged into :mod:`impl.config` through ``CONFIG_SECTIONS``: this module exposes :data:`SECTION` (the
 section's JSON schema), :data:`DEFAULTS` (merged under the user's values) and :func:`check` (cross-key
 checks on the whole validated config, raising :class:`impl.config.ConfigError` one-liners that name the
 key). Snakemake imports it at parse time, so it imports nothing heavy (no torch).
@@ -57,7 +57,7 @@ Keys (units in brackets):
   against the served arms C and D; null = ``vskipper.engine.max_requests_per_batch``, capped by the
   documents) and ``served``: the served-at-knee pass of rule ``vskipper_quality_served`` (Table 5
   right: the checkpoint served by the hybrid and by always-route under a seeded Poisson stream;
-  :mod:`impl.quality.served`), null = no such rule, else a mapping (defaults :data:`SERVED_DEFAULTS`)
+  :mod:`impl.vskipper.quality_served`), null = no such rule, else a mapping (defaults :data:`SERVED_DEFAULTS`)
   with ``point`` (a label of ``load_points``: the stream's rate is that multiple of Q*; paper: the knee,
   0.95 x Q*), ``workload`` (whose knee JSON gives Q*: a key of ``vskipper.workloads``; null = the suite
   itself when it is a load workload, else the first load workload - the tiny default sweeps only

@@ -1,5 +1,5 @@
 """vSkipper serving tables, figures and report section (Sec. 4 shapes: Tables 2-5, Table 3 ablation,
-Fig. 3 RandomSkip map, the Sec. 3.3 thresholds) from the raw rows of :mod:`impl.serving.commands`.
+Fig. 3 RandomSkip map, the Sec. 3.3 thresholds) from the raw rows of :mod:`impl.vskipper.serving_commands`.
 
 Every percentage is the protocol's paired statistic (:func:`impl.serving.protocol.summarize`): the mean
 of per-repetition percentage changes of the treatment arm against upstream on the same schedule, with a
@@ -42,7 +42,7 @@ Tables (``<name>.csv`` and ``<name>.md``):
   suite gets one row with its status.
 
 ``vskipper_table6`` / ``vskipper_table7`` (Sec. 4.4: cross-model, hardware transfer) are written by their
-own rule from :mod:`impl.serving.transfer`; :func:`report_section` adds their subsection when present.
+own rule from :mod:`impl.vskipper.transfer`; :func:`report_section` adds their subsection when present.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from impl.serving.fmt import fmt_change, num as _num
 from .transfer import transfer_section_lines
 
 __all__ = [
@@ -112,25 +113,6 @@ def _rows(paths: Iterable) -> list[dict]:
 
 def _jsons(paths: Iterable) -> list[dict]:
     return [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths or []]
-
-
-def _num(x) -> float:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return math.nan
-    return v
-
-
-def fmt_change(mean, low, high, n, resolved) -> str:
-    """Compact cell text of a paired % change: ``"-4.6 [-6.1, -3.1] *"`` (``*`` = resolved), ``"+2.0 (n=1)"``
-    when there is no interval, ``"-"`` when undefined."""
-    mean, low, high = _num(mean), _num(low), _num(high)
-    if not math.isfinite(mean):
-        return "-"
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return f"{mean:+.1f} (n={int(n) if n == n else '?'})"
-    return f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]" + (" *" if str(resolved).lower() == "true" else "")
 
 
 def _share(summary: dict | None, phase: str) -> float:
@@ -819,7 +801,7 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
     """Markdown lines of the vSkipper section of REPORT.md: checks (matched-work gate, knee bracketed),
     the FlexiDepth skipper, the thresholds and their rule, the knee, the Table 2 / 4 / 3 shapes, the
     RandomSkip map (Fig. 3 shape), the routed-row shares, the quality tables and the Table 6 / 7 shapes
-    (:func:`impl.serving.transfer.transfer_section_lines`), with links to every table and figure."""
+    (:func:`impl.vskipper.transfer.transfer_section_lines`), with links to every table and figure."""
     td, fd, base = Path(tables_dir), Path(figures_dir), Path(base)
     rel = lambda p: os.path.relpath(p, base).replace(os.sep, "/")  # noqa: E731
     t = {n: _read(td, n) for n in TABLE_NAMES}

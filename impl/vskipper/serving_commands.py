@@ -1,6 +1,6 @@
 """Commands of the vSkipper serving experiments (``python -m impl CMD``; vSkipper Sec. 4, Tables 2-7,
-Fig. 3), registered into :mod:`impl.cli` through ``COMMAND_MODULES``. Every command reads the
-``vskipper`` config section (:mod:`impl.serving.schema`); heavy modules are imported inside the
+Fig. 3), registered into :mod:`impl.cli` through ``COMMANDS``. Every command reads the
+``vskipper`` config section (:mod:`impl.vskipper.schema`); heavy modules are imported inside the
 commands.
 
 Pipeline (one rule per command in ``workflows/vskipper.smk``):
@@ -25,7 +25,7 @@ Pipeline (one rule per command in ``workflows/vskipper.smk``):
 5. ``randomskip-map``: Fig. 3: the r x d RandomSkip grid at one load point, each policy under
    always-route, FlexiDepth's (shared) thresholds and its own rule-derived thresholds, against
    upstream on the same schedules and replayed lengths.
-6. ``quality-cell``: the quality 2x2 of one suite (Sec. 4.3, Table 5 left; :func:`impl.quality.run_quality`):
+6. ``quality-cell``: the quality 2x2 of one suite (Sec. 4.3, Table 5 left; :func:`impl.vskipper.quality_run.run_quality`):
    A = base model (lm-eval HF backend), B = the FlexiDepth checkpoint in plain PyTorch, C = base model
    served by the upstream arm, D = the checkpoint served always-route (C and D: the vSkipper HTTP
    server started in the command's process on 127.0.0.1, port 0, with lm-eval's ``local-completions``
@@ -33,7 +33,7 @@ Pipeline (one rule per command in ``workflows/vskipper.smk``):
    summaries with the DiD, first-token agreement), a summary JSON and the documents' requests
    (prompt ids, stop strings, budgets) for step 7. Arms that fed different prompt token ids (the gate)
    become one ``kind: "rejected"`` row instead of failing the DAG.
-7. ``quality-served``: Table 5 (right; :func:`impl.quality.served.run_served_knee`): the documents'
+7. ``quality-served``: Table 5 (right; :func:`impl.vskipper.quality_served.run_served_knee`): the documents'
    requests of step 6 (padded with the knee workload's prompts to ``vskipper.quality.served.requests``)
    as a seeded Poisson stream at ``vskipper.quality.served.point`` x Q* (from the knee JSON) to the
    hybrid server (the FlexiDepth thresholds) and to the always-route server, same schedule; cut by the
@@ -41,9 +41,9 @@ Pipeline (one rule per command in ``workflows/vskipper.smk``):
    with a 95 % interval, routed share of decode rows per arm). A failed request or a prompt-id
    mismatch becomes one ``kind: "rejected"`` row.
 8. ``vskipper-tables`` / ``vskipper-figures``: tables and figures from the raw rows
-   (:mod:`impl.serving.report`).
+   (:mod:`impl.vskipper.serving_report`).
 9. ``vskipper-transfer-tables``: Table 6 (cross-model) and Table 7 (hardware transfer) shapes from the raw
-   files of the main run and of the extra targets (:mod:`impl.serving.transfer`; Sec. 4.4).
+   files of the main run and of the extra targets (:mod:`impl.vskipper.transfer`; Sec. 4.4).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ import json
 import logging
 import math
 from pathlib import Path
+
+from ..argtypes import positive_int
 
 log = logging.getLogger("impl.serving")
 
@@ -72,10 +74,10 @@ def _vsk(cfg: dict) -> dict:
 
 
 def _cfg_threads(args) -> dict:
-    from impl.cli import _config, _threads
+    from impl.runtime import config_from_args, set_threads
 
-    cfg = _config(args)
-    _threads(cfg)
+    cfg = config_from_args(args)
+    set_threads(cfg)
     return cfg
 
 
@@ -110,15 +112,15 @@ def cb_config_for(engine: dict, requests) -> object:
 def _requests(v: dict, prompts: str, n: int | None):
     from impl.provenance import read_jsonl
 
-    from .loadgen import requests_from_prompts
+    from impl.serving.loadgen import requests_from_prompts
 
     return requests_from_prompts(read_jsonl(prompts), v["max_new_tokens"], n=n or v["requests"])
 
 
 def _load_model(cfg: dict, model_dir: str):
-    from impl.cli import _load
+    from impl.runtime import load_for
 
-    return _load(cfg, model_dir)
+    return load_for(cfg, model_dir)
 
 
 def _load_skipper(path: str, model):
@@ -260,7 +262,7 @@ def knee_outcome(rates, tps, eps: float) -> dict:
     Raises:
         ValueError: for malformed sweeps (fewer than 3 rungs, repeated rates, ...), as ``find_knee``.
     """
-    from .knee import find_knee
+    from impl.serving.knee import find_knee
 
     try:
         k = find_knee(rates, tps, eps=eps)
@@ -281,9 +283,9 @@ def cmd_knee(args) -> None:
     """Q* sweep on the upstream arm (natural generation) -> JSON with rows, status and load points."""
     from impl.provenance import write_json
 
-    from .arms import ContinuousBatchingArm
-    from .knee import knee_sweep, load_points
-    from .protocol import cell_seed
+    from impl.serving.arms import ContinuousBatchingArm
+    from impl.serving.knee import knee_sweep, load_points
+    from impl.serving.protocol import cell_seed
 
     cfg = _cfg_threads(args)
     v = _vsk(cfg)
@@ -323,21 +325,20 @@ def build_served_arms(model, skipper, switch, names, cb) -> dict:
     Args:
         model: the base causal LM (left unbound). skipper: the policy. switch: the served
         :class:`~impl.vskipper.mode.ModeSwitch`. names: routed arm names (``vskipper`` and/or
-        :data:`impl.serving.schema.ABLATION_ARMS`). cb: the shared continuous-batching config.
+        :data:`impl.vskipper.schema.ABLATION_ARMS`). cb: the shared continuous-batching config.
 
     Returns:
         ``{name: ContinuousBatchingArm}``, upstream first.
     """
-    from impl.vskipper import bind_skipper
+    from impl.serving.arms import ContinuousBatchingArm
+    from impl.vskipper import bind_skipper, routed_context
     from impl.vskipper.mode import ModeController
-
-    from .arms import ContinuousBatchingArm
 
     arms = {UPSTREAM: ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)}
     bound = bind_skipper(copy.deepcopy(model), skipper)
     for name in names:
         sw = switch if name == SERVED else switch.ablation(name)
-        arms[name] = ContinuousBatchingArm(bound, name, cb_config=cb, mode="routed",
+        arms[name] = ContinuousBatchingArm(bound, name, cb_config=cb, mode="routed", binding=routed_context(bound),
                                            planner_factory=lambda sw=sw: ModeController(sw))
     return arms
 
@@ -349,7 +350,7 @@ def _knee_fields(knee: dict, point: str) -> dict:
 
 
 def _rejected(e: Exception, base: dict) -> list[dict]:
-    from .matched import MatchedWorkError
+    from impl.serving.matched import MatchedWorkError
 
     rows = list(getattr(e, "rows", []) or [])
     rej = {"kind": "rejected", **base, "error": f"{type(e).__name__}: {e}",
@@ -364,8 +365,8 @@ def cmd_serve_cell(args) -> None:
     from impl.provenance import write_jsonl
     from impl.vskipper.mode import ModeSwitch
 
-    from .matched import MatchedWorkError
-    from .protocol import CellError, CellSpec, run_protocol, stamp_rows
+    from impl.serving.matched import MatchedWorkError
+    from impl.serving.protocol import CellError, CellSpec, run_protocol, stamp_rows
 
     cfg = _cfg_threads(args)
     v = _vsk(cfg)
@@ -414,12 +415,11 @@ def cmd_serve_cell(args) -> None:
 def cmd_randomskip_map(args) -> None:
     """Fig. 3: the r x d RandomSkip grid under three switch settings against upstream -> JSONL rows."""
     from impl.provenance import write_jsonl
-    from impl.vskipper import RandomSkip, bind_skipper
+    from impl.serving.arms import ContinuousBatchingArm
+    from impl.vskipper import RandomSkip, bind_skipper, routed_context
     from impl.vskipper.mode import ModeController, ModeSwitch
-
-    from .arms import ContinuousBatchingArm
-    from .matched import MatchedWorkError
-    from .protocol import CellError, cell_seed, run_cell, stamp_rows
+    from impl.serving.matched import MatchedWorkError
+    from impl.serving.protocol import CellError, cell_seed, run_cell, stamp_rows
 
     cfg = _cfg_threads(args)
     v = _vsk(cfg)
@@ -454,6 +454,7 @@ def cmd_randomskip_map(args) -> None:
             arms = {UPSTREAM: upstream}
             for name, sw in switches.items():
                 arms[name] = ContinuousBatchingArm(bound, name, cb_config=cb, mode="routed",
+                                                   binding=routed_context(bound),
                                                    planner_factory=lambda sw=sw: ModeController(sw))
             pol = {**base, "policy": "randomskip", "r": r, "d": d, "k": sk.k, "skip_share": sk.skip_ratio,
                    "n_routed": len(sk.routed_layers)}
@@ -525,9 +526,9 @@ def cmd_quality_cell(args) -> None:
 
     from impl.models.load import load_tokenizer
     from impl.provenance import write_json, write_jsonl
-    from impl.quality.arms import default_max_length
+    from impl.vskipper.quality_arms import default_max_length
     from impl.quality.did import PromptMismatchError
-    from impl.quality.run import run_quality
+    from impl.vskipper.quality_run import run_quality
 
     cfg = _cfg_threads(args)
     v = _vsk(cfg)
@@ -606,7 +607,7 @@ def cmd_quality_served(args) -> None:
 
     from impl.provenance import read_jsonl, write_json, write_jsonl
     from impl.quality.did import PromptMismatchError
-    from impl.quality.served import ServedStreamError, run_served_knee
+    from impl.vskipper.quality_served import ServedStreamError, run_served_knee
     from impl.vskipper.mode import ModeSwitch
 
     cfg = _cfg_threads(args)
@@ -684,7 +685,7 @@ def cmd_vskipper_tables(args) -> None:
     """vSkipper tables (knee, Tables 2-4 shapes, ablation, RandomSkip map, thresholds, FlexiDepth)."""
     from impl.report.tables import write_table
 
-    from .report import vskipper_tables
+    from .serving_report import vskipper_tables
 
     tabs = vskipper_tables(knees=args.knee, thresholds=args.thresholds, flexidepth=args.flexidepth,
                            cells=args.cells, ablations=args.ablation, randomskip=args.randomskip,
@@ -727,7 +728,7 @@ def cmd_vskipper_transfer_tables(args) -> None:
 
 def cmd_vskipper_figures(args) -> None:
     """vSkipper figures (Fig. 3 RandomSkip map, knee sweeps) from the tables."""
-    from .report import vskipper_figures
+    from .serving_report import vskipper_figures
 
     vskipper_figures(args.tables_dir, args.out_dir)
 
@@ -771,7 +772,7 @@ def register(add) -> None:
     sp.add_argument("--point", required=True, help="a label of vskipper.load_points (e.g. knee)")
     sp.add_argument("--arms", nargs="*", choices=list(ABLATION_ARMS) + [SERVED], default=[],
                     help="extra routed arms beside the served hybrid (mechanism ablations)")
-    sp.add_argument("--repetitions", type=int, help="override vskipper.repetitions")
+    sp.add_argument("--repetitions", type=positive_int, help="override vskipper.repetitions")
     sp.add_argument("--lanes", nargs="+", choices=["matched", "natural"], help="override vskipper.lanes")
     sp.add_argument("--experiment", default="main", help="label stored in the rows (main, ablation)")
     sp.add_argument("--drop-ids", action="store_true", help="do not keep output token ids in request rows")

@@ -4,7 +4,7 @@ FlexiDepth training summaries and quality-cell JSONL rows.
 
 Each row of either table is one *target*: the main run (``vskipper.model`` on the config's device and
 threads) or an extra one (``vskipper.cross_model.models`` / ``vskipper.devices``, see
-:func:`impl.serving.schema.target_config`), each with its own knee, its own rule-derived thresholds and a
+:func:`impl.vskipper.schema.target_config`), each with its own knee, its own rule-derived thresholds and a
 matched-work cell at ``cross_model.point`` on ``cross_model.workload``.
 
 The latency comparison is recomputed from the cell rows (``kind: "cell"``, ``phase: "measure"``, matched
@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 import pandas as pd
+
+from impl.serving.fmt import fmt_change
 
 __all__ = ["TRANSFER_TABLE_NAMES", "TABLE6_COLS", "TABLE7_COLS", "paired_e2e", "table6", "table7",
            "transfer_tables", "transfer_section_lines"]
@@ -70,7 +72,7 @@ def paired_e2e(rows: Iterable[Mapping], lane: str = "matched", metric: str = "e2
     """The served hybrid's paired % change of ``metric`` against upstream in one lane of one serve-cell file.
 
     Args:
-        rows: the cell file's rows (:func:`impl.serving.commands.cmd_serve_cell`): ``kind: "cell"`` rows with
+        rows: the cell file's rows (:func:`impl.vskipper.serving_commands.cmd_serve_cell`): ``kind: "cell"`` rows with
             ``phase: "measure"``, ``repetition``, ``arm`` (``upstream`` / ``vskipper``) and ``metric`` [s];
             ``kind: "rejected"`` / ``"skipped"`` rows mark a lane rejected by the matched-work gate / a cell
             skipped because the knee was not bracketed.
@@ -87,8 +89,6 @@ def paired_e2e(rows: Iterable[Mapping], lane: str = "matched", metric: str = "e2
     Source: vSkipper Sec. 4.1 (paired statistics), Tables 6 and 7.
     """
     from impl.stats import percent_change
-
-    from .report import fmt_change
 
     rows = list(rows)
     nan = math.nan

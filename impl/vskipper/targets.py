@@ -3,7 +3,7 @@ transfer) targets (vSkipper Sec. 4.4): parse-time helpers of ``workflows/vskippe
 workflow holds rules only. Imports nothing heavy (no torch, no pandas).
 
 A *target* is one row of Table 6 or 7: the main run (``vskipper.model`` on the config's device) or an extra
-one (:func:`impl.serving.schema.target_config`). Extra targets write under ``{vsk_dir}/models/{model}/`` and
+one (:func:`impl.vskipper.schema.target_config`). Extra targets write under ``{vsk_dir}/models/{model}/`` and
 ``{vsk_dir}/devices/{name}/`` the same files the main run writes under ``{vsk_dir}/``.
 """
 

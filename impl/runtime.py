@@ -1,0 +1,53 @@
+"""What every ``python -m impl`` command does before its work: read the validated config named by its
+arguments, set the torch thread count, load a model directory in the config's dtype and device.
+
+Shared by :mod:`impl.cli` and the families' command modules (``impl/<family>/commands.py``), so no
+command module reaches into another's private helpers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["config_from_args", "load_for", "set_threads"]
+
+
+def config_from_args(args) -> dict[str, Any]:
+    """The validated config of a command: ``--config-json TEXT`` / ``@FILE`` (what workflow rules pass)
+    or ``--config FILE.yaml``.
+
+    Raises:
+        ConfigError: an invalid config (one line naming the key); SystemExit: neither option given.
+    """
+    from .config import config_from_json, load_config
+
+    if getattr(args, "config_json", None):
+        text = args.config_json
+        if text.startswith("@"):
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        return config_from_json(text)
+    if getattr(args, "config", None):
+        return load_config(args.config)
+    raise SystemExit("error: pass --config FILE.yaml (or --config-json)")
+
+
+def set_threads(cfg: dict[str, Any]) -> None:
+    """``torch.set_num_threads(cfg["threads"])``."""
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+
+
+def load_for(cfg: dict[str, Any], model_dir: str | Path):
+    """The model directory loaded in ``cfg["dtype"]`` on ``cfg["device"]``, eval mode.
+
+    Raises:
+        FileNotFoundError: naming the directory and the rule that builds it.
+    """
+    import torch
+
+    from .models.load import load_model
+
+    model = load_model(model_dir, dtype=getattr(torch, cfg["dtype"]), builder="train_model")
+    return model.to(cfg["device"])

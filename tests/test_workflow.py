@@ -80,7 +80,8 @@ def test_interrupted_run_resumes(tmp_path, data_dir, smoke_run):
 
     shutil.copytree(smoke_run / "models", tmp_path / "models")
     shutil.copytree(smoke_run / "results" / "train", tmp_path / "results" / "train")
-    p = _snakemake(tmp_path, data_dir, "--rerun-triggers", "mtime", "tables", start_new_session=True)
+    # "--" ends the options (--rerun-triggers takes several values): `tables` is the target
+    p = _snakemake(tmp_path, data_dir, "--rerun-triggers", "mtime", "--", "tables", start_new_session=True)
     deadline = time.time() + 300
     ead_dir = tmp_path / "results" / "ead"
     while time.time() < deadline and not (ead_dir.exists() and any(ead_dir.rglob("*.jsonl"))):
@@ -96,7 +97,7 @@ def test_interrupted_run_resumes(tmp_path, data_dir, smoke_run):
         for line in f.read_text().splitlines():
             json.loads(line)
     assert not (tmp_path / "results" / "tables" / "provenance.json").exists()
-    p = _snakemake(tmp_path, data_dir, "--rerun-incomplete", "--rerun-triggers", "mtime", "tables")
+    p = _snakemake(tmp_path, data_dir, "--rerun-incomplete", "--rerun-triggers", "mtime", "--", "tables")
     log, _ = p.communicate(timeout=1800)
     assert p.returncode == 0, log[-4000:]
     assert (tmp_path / "results" / "tables" / "provenance.json").is_file()

@@ -24,7 +24,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
-__all__ = ["Registry", "RegistryError", "resolve"]
+__all__ = ["Registry", "RegistryError", "lazy_exports", "resolve"]
 
 T = TypeVar("T")
 
@@ -180,3 +180,27 @@ class Registry(Mapping, Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}: {', '.join(self._entries)})"
+
+
+def lazy_exports(package: str, exports: dict[str, str]):
+    """``(__getattr__, __dir__)`` for a package that exports names lazily (PEP 562): ``exports`` maps a
+    name to the relative module defining it, imported on first access and cached in the package.
+
+    Raises (from the returned ``__getattr__``):
+        AttributeError: a name the package does not export.
+    """
+    import sys
+
+    def __getattr__(name: str):
+        try:
+            module = exports[name]
+        except KeyError:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+        value = getattr(importlib.import_module(module, package), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__():
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return __getattr__, __dir__

@@ -6,7 +6,7 @@ module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`
 
 from __future__ import annotations
 
-import importlib
+from ..registry import lazy_exports
 
 #: exported name -> the submodule that defines it
 _EXPORTS = {
@@ -29,15 +29,4 @@ _EXPORTS = {
 __all__ = ['depth_ceiling', 'depth_side_speedup', 'ead_from_omega', 'exploration_workload', 'resolution', 's_ead', 's_x', 's_x_lower_bound', 'selection_overhead', 'selection_trace', 'selection_workload', 'stable_ead_from_omega', 'uniform_exploration_set', 'validate_exploration_set']
 
 
-def __getattr__(name: str):
-    try:
-        module = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

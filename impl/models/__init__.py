@@ -7,7 +7,7 @@ module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`
 
 from __future__ import annotations
 
-import importlib
+from ..registry import lazy_exports
 
 #: exported name -> the submodule that defines it
 _EXPORTS = {
@@ -21,15 +21,4 @@ _EXPORTS = {
 __all__ = ['hidden_states_by_depth', 'readout_logits', 'run_layers', 'load_model', 'load_tokenizer']
 
 
-def __getattr__(name: str):
-    try:
-        module = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

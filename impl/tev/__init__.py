@@ -22,7 +22,7 @@ module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`
 
 from __future__ import annotations
 
-import importlib
+from ..registry import lazy_exports
 
 #: exported name -> the submodule that defines it
 _EXPORTS = {
@@ -71,15 +71,4 @@ _EXPORTS = {
 __all__ = ['BlockDrafter', 'DraftTree', 'DrafterConfig', 'DrafterTrainConfig', 'ExitTrainConfig', 'OBJECTIVES', 'RolloutData', 'FixedDrafter', 'TEVResult', 'best_first_tree', 'chain_tree', 'commit_cache', 'drafter_dir_for', 'evaluate_decoding', 'evaluate_drafter', 'evaluate_trees', 'exit_loss', 'make_rollouts', 'prefix_weights', 'sharegpt_prompt_ids', 'sharegpt_prompt_texts', 'target_features', 'tev_decode', 'train_drafter', 'train_exittrain', 'tree_target_logits', 'VERIFIERS', 'ancestor_mask', 'check_target_probs', 'exit_law', 'expected_block_length', 'greedy_follow', 'path_to', 'predraw_follow', 'residual_distribution', 'sequential_residual', 'target_coverage', 'tev', 'tree_attention_mask', 'validate_tree']
 
 
-def __getattr__(name: str):
-    try:
-        module = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -18,7 +18,7 @@ module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`
 
 from __future__ import annotations
 
-import importlib
+from ..registry import lazy_exports
 
 #: exported name -> the submodule that defines it
 _EXPORTS = {
@@ -62,15 +62,4 @@ _EXPORTS = {
 __all__ = ['Action', 'Phase', 'RowMeta', 'Skipper', 'StaticDepthSkipper', 'RandomSkip', 'as_run_mask', 'build_skipper', 'register_skipper', 'registered_skippers', 'request_key', 'validate_skipper', 'RoutedDecoderLayer', 'RowContext', 'install_routed_layers', 'remove_routed_layers', 'routed_context', 'plain_forward', 'plain_greedy', 'bind_skipper', 'unbind_skipper', 'routed_cb_config', 'generate_greedy', 'rows_of_batch', 'FlexiDepthSkipper', 'FlexiDepthTrainConfig', 'flexidepth_forward', 'load_flexidepth', 'train_flexidepth', 'train_and_save', 'ModeSwitch', 'ModeController', 'generate_with_switch', 'profile_routed_cost', 'derive_thresholds']
 
 
-def __getattr__(name: str):
-    try:
-        module = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

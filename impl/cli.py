@@ -118,6 +118,7 @@ def cmd_train_adapters(args) -> None:
     import torch
 
     from .dex.cell import adapter_depths
+    from .dex.schema import dex_section
     from .models.adapter_train import AdapterTrainConfig, sharegpt_tokens, train_adapters
     from .models.adapters import save_adapters
     from .models.depth import num_layers
@@ -125,15 +126,13 @@ def cmd_train_adapters(args) -> None:
     from .provenance import atomic_path, provenance, write_json
 
     cfg = config_from_args(args)
-    if "dex" not in cfg:
-        raise SystemExit("error: the config has no 'dex' section (adapter settings live in dex.adapters)")
-    a = cfg["dex"]["adapters"]
+    a = dex_section(cfg, why=" (adapter settings live in dex.adapters)").adapters
     model = load_for(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
     depths = adapter_depths(cfg["dex"], num_layers(model))
-    tcfg = AdapterTrainConfig(steps=a["steps"], batch_size=a["batch_size"], seq_len=a["seq_len"], lr=a["lr"],
-                              position_fraction=a["position_fraction"], seed=cfg["seed"], threads=a["threads"])
-    train, val = sharegpt_tokens(cfg["data_dir"], tok, a["max_chars"])
+    tcfg = AdapterTrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr,
+                              position_fraction=a.position_fraction, seed=cfg["seed"], threads=a.threads)
+    train, val = sharegpt_tokens(cfg["data_dir"], tok, a.max_chars)
     with torch.enable_grad():
         adapters, summary = train_adapters(model, depths, train, val, tcfg, progress=not args.quiet)
     summary.update(model_dir=str(args.model_dir), data="sharegpt", train_tokens_available=int(len(train)),
@@ -315,13 +314,12 @@ def cmd_decode(args) -> None:
 
 def cmd_dex_cell(args) -> None:
     from .dex.cell import dex_arms, run_cell, tune_baselines
+    from .dex.schema import dex_section
     from .models.depth import num_layers
     from .provenance import provenance, write_jsonl
 
     cfg = config_from_args(args)
-    if "dex" not in cfg:
-        raise SystemExit("error: the config has no 'dex' section")
-    d = cfg["dex"]
+    d = dex_section(cfg)
     import torch
 
     torch.set_num_threads(cfg["threads"])
@@ -333,18 +331,18 @@ def cmd_dex_cell(args) -> None:
         adapters = load_adapters(args.adapters, model)
     L = num_layers(model)
     suite = [p for p in read_prompts(args.prompts) if p.get("input_ids")]
-    n, nt = d["n_prompts"], d["baselines"]["tune_prompts"]
+    n, nt = d.n_prompts, d.baselines.tune_prompts
     prompts, tune = suite[:n], suite[n:n + nt]
     if len(prompts) < n or (not adapters and len(tune) < nt):
         log.warning("%s has %d prompts: %d evaluated (dex.n_prompts=%d), %d for tuning (tune_prompts=%d)",
                     args.prompts, len(suite), len(prompts), n, len(tune), nt)
-    eos = model.config.eos_token_id if d["stop_at_eos"] else None
-    arms = dex_arms(d, L)
+    eos = model.config.eos_token_id if d.stop_at_eos else None
+    arms = dex_arms(cfg["dex"], L)
     tuning: list[dict] = []
     if not adapters and tune:  # baselines run on the plain model; the adapter variant adds DEX arms only
-        extra, tuning = tune_baselines(model, tune, d, L, d["max_new_tokens"], eos)
+        extra, tuning = tune_baselines(model, tune, cfg["dex"], L, d.max_new_tokens, eos)
         arms += extra
-    rows = run_cell(model, prompts, arms, max_new_tokens=d["max_new_tokens"], eos=eos, seed=cfg["seed"],
+    rows = run_cell(model, prompts, arms, max_new_tokens=d.max_new_tokens, eos=eos, seed=cfg["seed"],
                     adapters=adapters, progress=not args.quiet)
     prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
     for r in rows:

@@ -191,7 +191,7 @@ def quality_run(tmp_path_factory, tiny_tokenizer, data_dir):
     from impl.vskipper import RandomSkip, routed_cb_config
 
     root = tmp_path_factory.mktemp("served")
-    m = save_wide_llama(root / "model", tiny_tokenizer, 512)
+    save_wide_llama(root / "model", tiny_tokenizer, 512)
     opts = TaskOptions(gsm8k_max_gen_toks=10, coqa_max_gen_toks=10, datasets_cache_dir=str(root / "hf"))
     skipper = RandomSkip([1, 2], r=0.5, d=1.0, seed=3)
     cb = routed_cb_config(page_size=16, num_blocks=96, max_batch_tokens=256, max_requests_per_batch=4)

@@ -34,7 +34,7 @@ def model_dir(tmp_path_factory, tiny_tokenizer):
     """A seeded random 4-layer Llama over the tiny tokenizer's vocabulary, saved with the tokenizer
     (as tests/test_vskipper_server.py: wide init so routes change the greedy ids)."""
     d = tmp_path_factory.mktemp("http_model")
-    m = save_wide_llama(d, tiny_tokenizer, 128)
+    save_wide_llama(d, tiny_tokenizer, 128)
     return d
 
 

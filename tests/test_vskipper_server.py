@@ -48,7 +48,7 @@ def _one_thread():
 def model_dir(tmp_path_factory, tiny_tokenizer):
     """A seeded random 4-layer Llama over the tiny tokenizer's vocabulary, saved with the tokenizer."""
     d = tmp_path_factory.mktemp("srv_model")
-    m = save_wide_llama(d, tiny_tokenizer, 128)
+    save_wide_llama(d, tiny_tokenizer, 128)
     return d
 
 

@@ -1,97 +1,114 @@
-"""The optional ``dex:`` config section (DEX experiments: Fig. 3, Fig. 4, Table 1): JSON schema, defaults
-and cross-checks. Registered in :data:`impl.config.CONFIG_SECTIONS`; imported at validation time (also by
-Snakemake at parse time), so it imports nothing heavy."""
+"""The optional ``dex:`` config section (DEX experiments: Fig. 3, Fig. 4, Table 1): typed models (the one
+source of its keys, bounds and defaults), the JSON schema and defaults generated from them, and
+cross-checks. Registered in :data:`impl.config.CONFIG_SECTIONS`; imported at validation time (also by
+Snakemake at parse time), so it imports nothing heavy (pydantic, no torch).
+
+A command reads the section as a typed object: ``DexSection.model_validate(cfg["dex"])``.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import Field
+
+from ..sections import Section, section_defaults, section_schema
 from ..workloads.suites import SUITES
 
-__all__ = ["DEFAULTS", "SECTION", "check"]
+__all__ = ["dex_section", "DexSection", "Distributed", "Decs", "Adapters", "Baselines", "DEFAULTS", "SECTION", "check"]
 
-_POS_INT = {"type": "integer", "minimum": 1}
-_POS_NUM = {"type": "number", "exclusiveMinimum": 0}
+PosInt = Annotated[int, Field(ge=1)]
+PosNum = Annotated[float, Field(gt=0)]
+Suite = Literal[tuple(SUITES)]  # type: ignore[valid-type]
 
-SECTION: dict[str, Any] = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["models", "workloads"],
-    "description": "DEX experiments (Fig. 3, Fig. 4, Table 1); absent = no DEX rules",
-    "properties": {
-        "models": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-        "workloads": {"type": "array", "items": {"enum": list(SUITES)}, "minItems": 1},
-        "n_prompts": {**_POS_INT, "description": "first n prompts of each frozen suite"},
-        "max_new_tokens": _POS_INT,
-        "stop_at_eos": {"type": "boolean"},
-        "explorers": {"type": "array", "items": _POS_INT, "minItems": 1,
-                      "description": "K of the uniform DEX-1/K sets; [] or absent = every K dividing L"},
-        "exploration_sets": {"type": "array", "items": {"type": "array", "items": _POS_INT, "minItems": 1},
-                             "description": "extra (non-uniform) exploration sets"},
-        "dedupe": {"type": "boolean", "description": "merge repeated candidates of one slot (lossless)"},
-        "single_exit": {"type": "boolean", "description": "single-exit ablation for every K > 2"},
-        "distributed": {
-            "type": "object",
-            "additionalProperties": False,
-            "description": "multi-process runs (one torch.distributed rank per explorer) on the first "
-                           "dex model and workload, measuring communication per round",
-            "properties": {"explorers": {"type": "array", "items": {"type": "integer", "minimum": 2}},
-                           "n_prompts": _POS_INT, "max_new_tokens": _POS_INT},
-        },
-        "decs": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {"explorers": {"type": "array", "items": _POS_INT},
-                           "temperatures": {"type": "array", "items": {"type": "number", "minimum": 0}}},
-        },
-        "adapters": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "models": {"type": "array", "items": {"type": "string"}},
-                "steps": _POS_INT,
-                "batch_size": _POS_INT,
-                "seq_len": {"type": "integer", "minimum": 8},
-                "lr": _POS_NUM,
-                "position_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                "max_chars": {"type": "integer", "minimum": 10000},
-                "threads": _POS_INT,
-            },
-        },
-        "baselines": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "tune_prompts": {**_POS_INT, "description": "prompts per workload used for tuning"},
-                "self_spec": {"type": "object", "additionalProperties": False, "properties": {
-                    "exit_layers": {"type": "array", "items": _POS_INT, "minItems": 1},
-                    "num_speculations": {"type": "array", "items": _POS_INT, "minItems": 1}}},
-                "adadecode": {"type": "object", "additionalProperties": False, "properties": {
-                    "shortcut_every": _POS_INT,
-                    "num_speculations": {"type": "array", "items": _POS_INT, "minItems": 1},
-                    "thresholds": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1},
-                                   "minItems": 1}}},
-                "dynamic_exit": {"type": "boolean"},
-                "hf_early_exit": {"type": "boolean",
-                                  "description": "transformers' assistant_early_exit at the tuned "
-                                                 "self_spec parameters, as a library reference arm"},
-            },
-        },
-    },
-}
 
-DEFAULTS: dict[str, Any] = {
-    "n_prompts": 8, "max_new_tokens": 64, "stop_at_eos": True, "explorers": [], "exploration_sets": [],
-    "dedupe": True, "single_exit": True, "distributed": {"explorers": [2, 3], "n_prompts": 2, "max_new_tokens": 32},
-    "decs": {"explorers": [4], "temperatures": [0.0, 1.0]},
-    "adapters": {"models": [], "steps": 300, "batch_size": 8, "seq_len": 256, "lr": 5e-3,
-                 "position_fraction": 0.25, "max_chars": 4_000_000, "threads": 2},
-    "baselines": {"tune_prompts": 3,
-                  "self_spec": {"exit_layers": [1, 2, 3, 4, 6], "num_speculations": [2, 4, 6, 8]},
-                  "adadecode": {"shortcut_every": 2, "num_speculations": [2, 4, 6, 8],
-                                "thresholds": [0.2, 0.4, 0.6, 0.8]},
-                  "dynamic_exit": True, "hf_early_exit": True},
-}
+class Distributed(Section):
+    """``dex.distributed``: multi-process runs (one torch.distributed rank per explorer) on the first
+    dex model and workload, measuring communication per round."""
+
+    explorers: list[Annotated[int, Field(ge=2)]] = [2, 3]
+    n_prompts: PosInt = 2
+    max_new_tokens: PosInt = 32
+
+
+class Decs(Section):
+    """``dex.decs``: the DECS cells (DEX Sec. 4, sampled decoding)."""
+
+    explorers: list[PosInt] = [4]
+    temperatures: list[Annotated[float, Field(ge=0)]] = [0.0, 1.0]
+
+
+class Adapters(Section):
+    """``dex.adapters``: inducing adapters (DEX App. C.2) trained on a frozen backbone."""
+
+    models: list[str] = []
+    steps: PosInt = 300
+    batch_size: PosInt = 8
+    seq_len: Annotated[int, Field(ge=8)] = 256
+    lr: PosNum = 5e-3
+    position_fraction: Annotated[float, Field(gt=0, le=1)] = 0.25
+    max_chars: Annotated[int, Field(ge=10000)] = 4_000_000
+    threads: PosInt = 2
+
+
+class SelfSpec(Section):
+    """``dex.baselines.self_spec``: the LayerSkip self-speculation grid."""
+
+    exit_layers: list[PosInt] = Field([1, 2, 3, 4, 6], min_length=1)
+    num_speculations: list[PosInt] = Field([2, 4, 6, 8], min_length=1)
+
+
+class AdaDecode(Section):
+    """``dex.baselines.adadecode``: the AdaDecode grid."""
+
+    shortcut_every: PosInt = 2
+    num_speculations: list[PosInt] = Field([2, 4, 6, 8], min_length=1)
+    thresholds: list[Annotated[float, Field(ge=0, le=1)]] = Field([0.2, 0.4, 0.6, 0.8], min_length=1)
+
+
+class Baselines(Section):
+    """``dex.baselines``: the tuned depth-selection baselines."""
+
+    tune_prompts: PosInt = Field(3, description="prompts per workload used for tuning")
+    self_spec: SelfSpec = Field(default_factory=SelfSpec)
+    adadecode: AdaDecode = Field(default_factory=AdaDecode)
+    dynamic_exit: bool = True
+    hf_early_exit: bool = Field(True, description="transformers' assistant_early_exit at the tuned self_spec "
+                                                  "parameters, as a library reference arm")
+
+
+class DexSection(Section):
+    """DEX experiments (Fig. 3, Fig. 4, Table 1); absent = no DEX rules."""
+
+    models: list[str] = Field(min_length=1)
+    workloads: list[Suite] = Field(min_length=1)
+    n_prompts: PosInt = Field(8, description="first n prompts of each frozen suite")
+    max_new_tokens: PosInt = 64
+    stop_at_eos: bool = True
+    explorers: list[PosInt] = Field([], description="K of the uniform DEX-1/K sets; [] = every K dividing L")
+    exploration_sets: list[Annotated[list[PosInt], Field(min_length=1)]] = Field(
+        [], description="extra (non-uniform) exploration sets")
+    dedupe: bool = Field(True, description="merge repeated candidates of one slot (lossless)")
+    single_exit: bool = Field(True, description="single-exit ablation for every K > 2")
+    distributed: Distributed = Field(default_factory=Distributed)
+    decs: Decs = Field(default_factory=Decs)
+    adapters: Adapters = Field(default_factory=Adapters)
+    baselines: Baselines = Field(default_factory=Baselines)
+
+
+SECTION: dict[str, Any] = section_schema(DexSection, description=DexSection.__doc__.strip())
+DEFAULTS: dict[str, Any] = section_defaults(DexSection)
+
+
+def dex_section(cfg: dict[str, Any], *, why: str = "") -> DexSection:
+    """The validated config's ``dex`` section as a typed object.
+
+    Raises:
+        SystemExit: the config has no ``dex`` section (one line; ``why`` is appended).
+    """
+    if "dex" not in cfg:
+        raise SystemExit(f"error: the config has no 'dex' section{why}")
+    return DexSection.model_validate(cfg["dex"])
 
 
 def check(out: dict[str, Any]) -> None:

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..schedule import lr_at
+
 from .adapters import InducingAdapter, adapter_param_count, new_adapters
 from .depth import embed, num_layers, readout_logits, run_layers
 
@@ -63,9 +65,7 @@ class AdapterTrainConfig:
 
 def _lr(step: int, cfg: AdapterTrainConfig) -> float:
     warm = max(1, round(cfg.warmup_fraction * cfg.steps))
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - warm))
+    return lr_at(step, lr=cfg.lr, warmup=warm, steps=cfg.steps, decay="linear", floor=0.0)
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:

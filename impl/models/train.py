@@ -11,7 +11,6 @@ windows in the same order (same seed), the same optimiser and the same step budg
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+
+from ..schedule import lr_at
 
 from .depth import embed, readout_logits, run_layers
 from .tiny import TinyArch
@@ -63,10 +64,7 @@ def early_exit_depths(step: int, num_layers: int, k: int) -> list[int]:
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, steps=cfg.steps, decay="cosine", floor=0.1)
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:

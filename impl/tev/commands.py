@@ -16,6 +16,7 @@ import json
 import logging
 from pathlib import Path
 from ..workloads.prompts import read_prompts
+from .schema import tev_section
 
 log = logging.getLogger("impl")
 
@@ -28,36 +29,31 @@ def cmd_tev_train(args) -> None:
     from ..runtime import config_from_args, load_for
     from ..models.load import load_tokenizer
     from ..provenance import atomic_path, provenance, write_json
-    from .drafter import DrafterConfig, DrafterTrainConfig, make_rollouts, sharegpt_prompt_ids, train_drafter
+    from .drafter import DrafterTrainConfig, make_rollouts, sharegpt_prompt_ids, train_drafter
     from .train import ExitTrainConfig, train_exittrain
 
     cfg = config_from_args(args)
-    if "tev" not in cfg:
-        raise SystemExit("error: the config has no 'tev' section")
-    t, d, e = cfg["tev"], cfg["tev"]["drafter"], cfg["tev"]["exittrain"]
-    torch.set_num_threads(d["threads"])
+    t = tev_section(cfg)
+    d = t.drafter
+    torch.set_num_threads(d.threads)
     target = load_for(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
-    prompts = sharegpt_prompt_ids(tok, cfg["data_dir"], d["prompts"], max_prompt_tokens=d["prompt_max_tokens"])
-    dcfg = DrafterConfig(block_size=d["block_size"], n_layers=d["n_layers"])
-    eos = target.config.eos_token_id if t["stop_at_eos"] else None
+    prompts = sharegpt_prompt_ids(tok, cfg["data_dir"], d.prompts, max_prompt_tokens=d.prompt_max_tokens)
+    tcfg = DrafterTrainConfig.from_section(d, seed=cfg["seed"], progress=not args.quiet)
+    eos = target.config.eos_token_id if t.stop_at_eos else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg["seed"])
         from .drafter import BlockDrafter
 
-        layers = BlockDrafter(target, dcfg).feature_layers
-    data = make_rollouts(target, prompts, layers, new_tokens=d["rollout_new_tokens"],
-                         temperature=d["rollout_temperature"], eos_token_id=eos, seed=cfg["seed"])
-    tcfg = DrafterTrainConfig(drafter=dcfg, steps=d["steps"], batch_size=d["batch_size"], lr=d["lr"], gamma=d["gamma"],
-                              seed=cfg["seed"], progress=not args.quiet)
+        layers = BlockDrafter(target, tcfg.drafter).feature_layers
+    data = make_rollouts(target, prompts, layers, new_tokens=d.rollout_new_tokens,
+                         temperature=d.rollout_temperature, eos_token_id=eos, seed=cfg["seed"])
     with torch.enable_grad():
         base, base_summary = train_drafter(target, None, tcfg, data=data)
     summaries = {"base": base_summary}
     drafters = {"base": base}
-    ecfg = ExitTrainConfig(steps=e["steps"], batch_size=e["batch_size"], tree_contexts_per_seq=e["tree_contexts_per_seq"],
-                           budget=e["budget"], lambda_exit=e["lambda_exit"], target_temperature=e["target_temperature"],
-                           lr=e["lr"], gamma=d["gamma"], seed=cfg["seed"], eval_prompts=0, progress=not args.quiet)
-    for obj in e["objectives"]:
+    ecfg = ExitTrainConfig.from_section(t, seed=cfg["seed"], eval_prompts=0, progress=not args.quiet)
+    for obj in t.exittrain.objectives:
         with torch.enable_grad():
             drafters[obj], summaries[obj] = train_exittrain(target, base, data, ecfg, objective=obj)
         log.info("tev-train %s: %.0f s", obj, summaries[obj]["seconds"]["total"])
@@ -79,20 +75,18 @@ def cmd_tev_cell(args) -> None:
     from .drafter import BlockDrafter
 
     cfg = config_from_args(args)
-    if "tev" not in cfg:
-        raise SystemExit("error: the config has no 'tev' section")
-    t = cfg["tev"]
+    t = tev_section(cfg)
     torch.set_num_threads(cfg["threads"])
     target = load_for(cfg, args.model_dir)
     root = Path(args.drafters)
     drafters = {k: BlockDrafter.load(root / k, target) for k in DRAFTER_KEYS if (root / k).is_dir()}
     if "base" not in drafters:
         raise FileNotFoundError(f"no base drafter under {root} (built by the tev_train rule / python -m impl tev-train)")
-    prompts = [p for p in read_prompts(args.prompts) if p.get("input_ids")][: t["n_prompts"]]
-    arms = tev_arms(t["budget"], t["budgets"], tuple(drafters))
-    eos = target.config.eos_token_id if t["stop_at_eos"] else None
-    rows = run_tev_cell(target, drafters, prompts, arms, temperatures=t["temperatures"], depth=t["depth"],
-                        max_new_tokens=t["max_new_tokens"], eos=eos, seed=cfg["seed"], progress=not args.quiet)
+    prompts = [p for p in read_prompts(args.prompts) if p.get("input_ids")][: t.n_prompts]
+    arms = tev_arms(t.budget, t.budgets, tuple(drafters))
+    eos = target.config.eos_token_id if t.stop_at_eos else None
+    rows = run_tev_cell(target, drafters, prompts, arms, temperatures=t.temperatures, depth=t.depth,
+                        max_new_tokens=t.max_new_tokens, eos=eos, seed=cfg["seed"], progress=not args.quiet)
     prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
     for r in rows:
         r.update(model=args.model, batch_size=1, **prov)
@@ -110,12 +104,12 @@ def cmd_tev_latency(args) -> None:
     from .latency import verifier_latency
 
     cfg = config_from_args(args)
-    t = cfg["tev"]
-    lat = t["latency"]
+    t = tev_section(cfg)
+    lat = t.latency
     torch.set_num_threads(cfg["threads"])
     target = load_for(cfg, args.model_dir)
     drafter = BlockDrafter.load(Path(args.drafters) / "base", target)
-    prompts = [p["input_ids"] for p in read_prompts(args.prompts) if p.get("input_ids")][: t["n_prompts"]]
+    prompts = [p["input_ids"] for p in read_prompts(args.prompts) if p.get("input_ids")][: t.n_prompts]
     from functools import partial
 
     from .verify import predraw_follow, sequential_residual, tev
@@ -126,8 +120,8 @@ def cmd_tev_latency(args) -> None:
     verifiers = {"predraw_follow": predraw_follow,
                  "predraw_ddtree_multinomial": partial(predraw_follow, sampler="multinomial"),
                  "sequential_residual": sequential_residual, "tev": tev}
-    rows = verifier_latency(target, drafter, prompts, budgets=tuple(lat["budgets"]), depth=t["depth"],
-                            temperature=lat["temperature"], n_trees=lat["trees"], repeats=lat["repeats"],
+    rows = verifier_latency(target, drafter, prompts, budgets=tuple(lat.budgets), depth=t.depth,
+                            temperature=lat.temperature, n_trees=lat.trees, repeats=lat.repeats,
                             seed=cfg["seed"], verifiers=verifiers, isolated=("predraw_ddtree_multinomial",))
     prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
     write_jsonl(args.out, [{**r, "model": args.model, **prov} for r in rows])

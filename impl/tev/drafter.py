@@ -54,7 +54,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..schedule import warmup_decay_scheduler
+
+from .schema import DEFAULTS as TEV_DEFAULTS
+from .schema import Drafter
+
 log = logging.getLogger("impl.tev.drafter")
+
+#: the ``tev.drafter`` config defaults (:mod:`impl.tev.schema`): the one source of the defaults below
+_D = TEV_DEFAULTS["drafter"]
 
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -96,8 +104,8 @@ class DrafterConfig:
         init_std: standard deviation of the normal weight initialisation.
     """
 
-    block_size: int = 8
-    n_layers: int = 2
+    block_size: int = _D["block_size"]
+    n_layers: int = _D["n_layers"]
     feature_layers: tuple[int, ...] | None = None
     n_heads: int | None = None
     intermediate_size: int | None = None
@@ -588,22 +596,32 @@ class DrafterTrainConfig:
     """
 
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
-    rollout_new_tokens: int = 64
-    rollout_temperature: float = 0.0
+    rollout_new_tokens: int = _D["rollout_new_tokens"]
+    rollout_temperature: float = _D["rollout_temperature"]
     eos_token_id: int | None = None
     heldout_fraction: float = 0.1
-    steps: int = 300
-    batch_size: int = 8
+    steps: int = _D["steps"]
+    batch_size: int = _D["batch_size"]
     anchors_per_seq: int = 16
-    lr: float = 1e-3
+    lr: float = _D["lr"]
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     warmup_steps: int = 20
-    gamma: float | None = 4.0
+    gamma: float | None = _D["gamma"]
     seed: int = 0
     log_every: int = 25
     progress: bool = False
+
+    @classmethod
+    def from_section(cls, drafter: "Drafter", **overrides) -> "DrafterTrainConfig":
+        """The settings a typed ``tev.drafter`` section (:class:`impl.tev.schema.Drafter`) names,
+        architecture included; settings the section does not hold keep the dataclass defaults,
+        ``overrides`` (``seed``, ``progress``, ...) win over both."""
+        arch = DrafterConfig(block_size=drafter.block_size, n_layers=drafter.n_layers)
+        named = {k: getattr(drafter, k) for k in ("rollout_new_tokens", "rollout_temperature", "steps", "batch_size",
+                                                  "lr", "gamma")}
+        return cls(drafter=arch, **{**named, **overrides})
 
 
 def position_weights(block_size: int, gamma: float | None, device=None) -> torch.Tensor:
@@ -809,14 +827,7 @@ def drafter_optimizer(drafter, cfg) -> tuple[torch.optim.Optimizer, torch.optim.
     over ``cfg.steps`` (shared by :func:`train_drafter` and :func:`impl.tev.train.train_exittrain`;
     ``cfg`` needs ``lr, betas, weight_decay, warmup_steps, steps``)."""
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-
-    def lr_at(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        prog = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    return opt, warmup_decay_scheduler(opt, warmup=cfg.warmup_steps, steps=cfg.steps, decay="cosine", floor=0.1)
 
 
 def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,

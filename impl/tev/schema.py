@@ -1,61 +1,102 @@
-"""The optional ``tev:`` config section (TEV/ExitTrain experiments): JSON schema, defaults and
-cross-checks. Imported by :mod:`impl.config` at validation time, so it imports nothing heavy."""
+"""The optional ``tev:`` config section (TEV/ExitTrain experiments): typed models (the one source of its
+keys, bounds and defaults), the JSON schema and defaults generated from them, and cross-checks.
+Imported by :mod:`impl.config` at validation time, so it imports nothing heavy (pydantic, no torch).
+
+A command reads the section as a typed object: ``t = TevSection.model_validate(cfg["tev"])``, then
+``t.drafter.steps``; :class:`impl.tev.drafter.DrafterTrainConfig` and
+:class:`impl.tev.train.ExitTrainConfig` take their defaults from these models.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-_POS_INT = {"type": "integer", "minimum": 1}
-_POS_NUM = {"type": "number", "exclusiveMinimum": 0}
-_SUITES = ["gsm8k", "humaneval", "xsum", "mt_bench", "math500", "bbh", "coqa"]
+from pydantic import Field
 
-SECTION: dict[str, Any] = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["models", "workloads"],
-    "description": "TEV / ExitTrain experiments (Tables 1-5); absent = no TEV rules",
-    "properties": {
-        "models": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-        "workloads": {"type": "array", "items": {"enum": _SUITES}, "minItems": 1},
-        "n_prompts": _POS_INT,
-        "max_new_tokens": _POS_INT,
-        "stop_at_eos": {"type": "boolean"},
-        "temperatures": {"type": "array", "items": {"type": "number", "minimum": 0}, "minItems": 1},
-        "budget": _POS_INT,
-        "budgets": {"type": "array", "items": _POS_INT, "description": "budget robustness (Table 5)"},
-        "depth": _POS_INT,
-        "drafter": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"block_size": _POS_INT, "n_layers": _POS_INT, "prompts": {"type": "integer", "minimum": 4},
-                           "prompt_max_tokens": _POS_INT, "rollout_new_tokens": _POS_INT,
-                           "rollout_temperature": {"type": "number", "minimum": 0}, "steps": _POS_INT,
-                           "batch_size": _POS_INT, "lr": _POS_NUM, "gamma": _POS_NUM, "threads": _POS_INT},
-        },
-        "exittrain": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"steps": _POS_INT, "batch_size": _POS_INT, "tree_contexts_per_seq": _POS_INT,
-                           "budget": _POS_INT, "lambda_exit": {"type": "number", "minimum": 0},
-                           "target_temperature": {"type": "number", "minimum": 0}, "lr": _POS_NUM,
-                           "objectives": {"type": "array", "items": {"enum": ["token", "prefix", "exit"]},
-                                          "minItems": 1, "uniqueItems": True}},
-        },
-        "latency": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"budgets": {"type": "array", "items": _POS_INT, "minItems": 1}, "trees": _POS_INT,
-                           "temperature": {"type": "number", "exclusiveMinimum": 0}, "repeats": _POS_INT},
-        },
-    },
-}
+from ..sections import Section, section_defaults, section_schema
 
-DEFAULTS: dict[str, Any] = {
-    "n_prompts": 6, "max_new_tokens": 64, "stop_at_eos": True, "temperatures": [0.0, 1.0], "budget": 64,
-    "budgets": [32, 64, 128], "depth": 8,
-    "drafter": {"block_size": 8, "n_layers": 2, "prompts": 200, "prompt_max_tokens": 96, "rollout_new_tokens": 64,
-                "rollout_temperature": 0.0, "steps": 300, "batch_size": 8, "lr": 2e-3, "gamma": 4.0, "threads": 1},
-    "exittrain": {"steps": 100, "batch_size": 4, "tree_contexts_per_seq": 2, "budget": 64, "lambda_exit": 64.0,
-                  "target_temperature": 1.0, "lr": 3e-4, "objectives": ["token", "prefix", "exit"]},
-    "latency": {"budgets": [32, 64, 128], "trees": 30, "temperature": 1.0, "repeats": 3},
-}
+__all__ = ["tev_section", "Drafter", "ExitTrain", "Latency", "TevSection", "SECTION", "DEFAULTS", "check"]
+
+PosInt = Annotated[int, Field(ge=1)]
+PosNum = Annotated[float, Field(gt=0)]
+NonNegNum = Annotated[float, Field(ge=0)]
+Suite = Literal["gsm8k", "humaneval", "xsum", "mt_bench", "math500", "bbh", "coqa"]
+Objective = Literal["token", "prefix", "exit"]
+
+
+class Drafter(Section):
+    """``tev.drafter``: the DFlash-style block drafter (TEV App. C) and its base training on rollouts
+    of the target."""
+
+    block_size: PosInt = Field(8, description="H: drafted positions per block (the deepest tree)")
+    n_layers: PosInt = Field(2, description="non-causal draft layers")
+    prompts: Annotated[int, Field(ge=4)] = Field(200, description="ShareGPT prompts rolled out by the target")
+    prompt_max_tokens: PosInt = Field(96, description="prompt tokens kept per rollout [tokens]")
+    rollout_new_tokens: PosInt = Field(64, description="response tokens per rollout [tokens]")
+    rollout_temperature: NonNegNum = Field(0.0, description="0: greedy rollouts")
+    steps: PosInt = Field(300, description="optimiser steps of the base drafter")
+    batch_size: PosInt = Field(8, description="rollouts per step")
+    lr: PosNum = Field(2e-3, description="peak AdamW learning rate")
+    gamma: PosNum = Field(4.0, description="DFlash position decay: depth d weighted exp(-(d-1)/gamma)")
+    threads: PosInt = Field(1, description="torch threads of the training job")
+
+
+class ExitTrain(Section):
+    """``tev.exittrain``: the fine-tuning objectives of TEV Sec. 5 (token-only, prefix-weighted,
+    exit-guided), matched in steps and data order."""
+
+    steps: PosInt = Field(100, description="optimiser steps per objective")
+    batch_size: PosInt = Field(4, description="rollouts per step (App. D: 4)")
+    tree_contexts_per_seq: PosInt = Field(2, description="contexts per rollout that get a realised tree")
+    budget: PosInt = Field(64, description="B: non-root nodes of each training tree (App. D: 64)")
+    # lambda_exit ~ B: Eq. 14 divides by the node count, so L_exit is ~ weighted CE / B
+    lambda_exit: NonNegNum = Field(64.0, description="lambda_exit of Eq. 15 (the paper gives no value)")
+    target_temperature: NonNegNum = Field(1.0, description="temperature of the target rows behind w(v)")
+    lr: PosNum = Field(3e-4, description="peak AdamW learning rate")
+    objectives: list[Objective] = Field(["token", "prefix", "exit"], min_length=1,
+                                        json_schema_extra={"uniqueItems": True})
+
+
+class Latency(Section):
+    """``tev.latency``: the verifier-latency benchmark (TEV vs predraw vs sequential residual on the
+    same trees)."""
+
+    budgets: list[PosInt] = Field([32, 64, 128], min_length=1)
+    trees: PosInt = Field(30, description="trees per budget")
+    temperature: PosNum = 1.0
+    repeats: PosInt = Field(3, description="timed passes per tree")
+
+
+class TevSection(Section):
+    """TEV / ExitTrain experiments (Tables 1-5); absent = no TEV rules."""
+
+    models: list[str] = Field(min_length=1)
+    workloads: list[Suite] = Field(min_length=1)
+    n_prompts: PosInt = Field(6, description="first n prompts of each frozen suite")
+    max_new_tokens: PosInt = 64
+    stop_at_eos: bool = True
+    temperatures: list[NonNegNum] = Field([0.0, 1.0], min_length=1)
+    budget: PosInt = Field(64, description="B of the main cells")
+    budgets: list[PosInt] = Field([32, 64, 128], description="budget robustness (Table 5)")
+    depth: PosInt = Field(8, description="maximum tree depth")
+    drafter: Drafter = Field(default_factory=Drafter)
+    exittrain: ExitTrain = Field(default_factory=ExitTrain)
+    latency: Latency = Field(default_factory=Latency)
+
+
+SECTION: dict[str, Any] = section_schema(TevSection, description=TevSection.__doc__.strip())
+DEFAULTS: dict[str, Any] = section_defaults(TevSection)
+
+
+def tev_section(cfg: dict[str, Any]) -> TevSection:
+    """The validated config's ``tev`` section as a typed object.
+
+    Raises:
+        SystemExit: the config has no ``tev`` section (one line).
+    """
+    if "tev" not in cfg:
+        raise SystemExit("error: the config has no 'tev' section")
+    return TevSection.model_validate(cfg["tev"])
 
 
 def check(cfg: dict[str, Any]) -> None:

@@ -88,9 +88,14 @@ from .drafter import (
     position_weights,
 )
 from .exit_law import exit_law
+from .schema import DEFAULTS as TEV_DEFAULTS
+from .schema import TevSection
 from .tree import DraftTree
 
 log = logging.getLogger("impl.tev.train")
+
+#: the ``tev.exittrain`` config defaults (:mod:`impl.tev.schema`): the one source of the defaults below
+_E = TEV_DEFAULTS["exittrain"]
 
 #: training objectives of :func:`train_exittrain`
 OBJECTIVES = ("exit", "token", "prefix")
@@ -116,7 +121,8 @@ class ExitTrainConfig:
             the greedy exit law; the paper does not state it). On tiny-ls, w at T = 1 raised the T = 1
             tree coverage and lowered the greedy one relative to token-only fine-tuning.
         prefix_scope: ``"tree"`` (rescale P per realised tree) or ``"batch"`` (per minibatch).
-        lr, weight_decay, betas, grad_clip: AdamW and gradient-norm clipping (App. D: lr 1e-4).
+        lr, weight_decay, betas, grad_clip: AdamW and gradient-norm clipping (App. D: lr 1e-4 for
+            released drafters; the default, from :mod:`impl.tev.schema`, suits the tiny targets).
         warmup_steps: linear warm-up, then cosine decay to 10% (as :func:`train_drafter`).
         gamma: DFlash position decay of L_tok (depth d weighted ``exp(-(d-1)/gamma)``).
         seed: seeds the data order (rollout picks and anchors); identical across objectives.
@@ -133,21 +139,21 @@ class ExitTrainConfig:
         progress: show a tqdm bar.
     """
 
-    steps: int = 100
-    batch_size: int = 4
+    steps: int = _E["steps"]
+    batch_size: int = _E["batch_size"]
     anchors_per_seq: int = 16
-    tree_contexts_per_seq: int = 2
-    budget: int = 64
+    tree_contexts_per_seq: int = _E["tree_contexts_per_seq"]
+    budget: int = _E["budget"]
     depth: int | None = None
-    lambda_exit: float = 1.0
-    target_temperature: float = 1.0
+    lambda_exit: float = _E["lambda_exit"]
+    target_temperature: float = _E["target_temperature"]
     prefix_scope: str = "tree"
-    lr: float = 1e-4
+    lr: float = _E["lr"]
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     warmup_steps: int = 10
-    gamma: float | None = 4.0
+    gamma: float | None = TEV_DEFAULTS["drafter"]["gamma"]
     seed: int = 0
     eval_budgets: tuple[int, ...] = (16, 64)
     eval_depth: int | None = None
@@ -159,6 +165,17 @@ class ExitTrainConfig:
     max_tree_rows: int = 1024
     log_every: int = 25
     progress: bool = False
+
+    @classmethod
+    def from_section(cls, tev: "TevSection", **overrides) -> "ExitTrainConfig":
+        """The settings a typed ``tev`` section (:class:`impl.tev.schema.TevSection`) names:
+        ``tev.exittrain`` plus the DFlash decay ``tev.drafter.gamma`` (fine-tuning keeps the base
+        drafter's L_tok weighting); settings the section does not hold keep the dataclass defaults,
+        ``overrides`` win over both."""
+        e = tev.exittrain
+        named = {k: getattr(e, k) for k in ("steps", "batch_size", "tree_contexts_per_seq", "budget", "lambda_exit",
+                                            "target_temperature", "lr")}
+        return cls(**{**named, "gamma": tev.drafter.gamma, **overrides})
 
 
 # --- the target over realised trees ----------------------------------------------------------------

@@ -58,6 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..schedule import lr_at
+
 from .skipper import RowMeta, Skipper, register_skipper
 
 log = logging.getLogger("impl.vskipper.flexidepth")
@@ -665,10 +667,7 @@ class FlexiDepthTrainConfig:
 
 def _lr_at(step: int, cfg: FlexiDepthTrainConfig) -> float:
     warm = max(1, int(round(cfg.warmup_fraction * cfg.steps)))
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    t = (step - warm) / max(1, cfg.steps - warm)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t))))
+    return lr_at(step, lr=cfg.lr, warmup=warm, steps=cfg.steps, decay="cosine", floor=0.1)
 
 
 def windows_from_tokens(tokens, seq_len: int) -> torch.Tensor:

@@ -44,6 +44,10 @@ Keys (units in brackets):
 - ``randomskip``: the Fig. 3 map: ``r`` and ``d`` grids (fractions in [0, 1]), ``point`` (a label of
   ``load_points``), ``repetitions``, ``requests`` (null = ``requests``), hash ``seed``,
   ``layer_choice`` (``per_row`` | ``fixed``); ``r: []`` = no map rule.
+- ``bench`` (optional): settings of the per-step timing benchmark (rule ``vskipper_bench``), named as
+  the ``vskipper-bench`` flags with underscores (``prefill_tokens``, ``decode_requests``, ``r``, ``d``,
+  ``wide_hidden``, ...); a key left out takes the command's default
+  (:data:`impl.vskipper.commands.BENCH_DEFAULTS`), a flag given on the command line wins.
 - ``quality`` (optional; absent = no quality rule): the lm-eval 2x2 DiD of rule ``vskipper_quality``
   (Sec. 4.3, Table 5 left; :mod:`impl.quality`), one job per suite. ``tasks`` (required: suites among
   gsm8k, bbh, coqa; giving the list is what turns the rule on); the other keys default to
@@ -189,6 +193,26 @@ SECTION: dict[str, Any] = {
             "requests": {"oneOf": [{"type": "null"}, _POS_INT]},
             "seed": {"type": "integer", "minimum": 0},
             "layer_choice": {"enum": ["per_row", "fixed"]},
+        }),
+        # rule vskipper_bench: per-step timing settings (impl.vskipper.commands; absent keys take the
+        # command's defaults, BENCH_DEFAULTS there, and its flags win over both)
+        "bench": _obj({
+            "prefill_tokens": {"type": "array", "items": _POS_INT, "minItems": 1},
+            "prompt_len": _POS_INT,
+            "decode_requests": {"type": "array", "items": _POS_INT, "minItems": 1},
+            "decode_context": _POS_INT,
+            "repeats": _POS_INT,
+            "warmup": {"type": "integer", "minimum": 0},
+            "r": {"type": "array", "items": _FRACTION, "minItems": 1, "uniqueItems": True},
+            "d": {"type": "array", "items": _FRACTION, "minItems": 1, "uniqueItems": True},
+            "hybrid": {"type": "boolean"},
+            "profile_repeats": _POS_INT,
+            "profile_steps": _POS_INT,
+            "profile_requests": {"type": "array", "items": _POS_INT},
+            "wide_hidden": _POS_INT,
+            "wide_intermediate": _POS_INT,
+            "wide_layers": _POS_INT,
+            "wide_heads": _POS_INT,
         }),
         # rule vskipper_http: every engine arm over HTTP on every tiny model (impl.vskipper.http_check)
         "http": _obj({

@@ -1,0 +1,85 @@
+"""Typed config sections: one pydantic v2 model per section is the one source of its keys, bounds and
+defaults. :func:`section_schema` generates the JSON schema that :func:`impl.config.validate_config`
+checks (so errors keep their one key-path notation, ``tev.drafter.steps``), :func:`section_defaults`
+the defaults merged under the user's values, and ``Model.model_validate(cfg[name])`` the typed object
+a command reads (``t.drafter.steps``, not ``cfg["tev"]["drafter"]["steps"]``).
+
+Imports pydantic only (no torch): Snakemake reads the schemas at parse time.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["Section", "section_schema", "section_defaults"]
+
+
+class Section(BaseModel):
+    """Base of every typed config section: unknown keys are errors (as in the JSON schema), values are
+    immutable once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_SUBSCHEMA = ("items", "additionalProperties", "not", "propertyNames", "contains", "if", "then", "else")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def _clean(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """One schema node with pydantic's ``$ref`` inlined and its ``title`` labels dropped (only schema
+    keywords are rewritten: a section field named ``title`` keeps its name)."""
+    if "$ref" in node:
+        target = _clean(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {**target, **_clean({k: v for k, v in node.items() if k != "$ref"}, defs)}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("title", "$defs"):
+            continue
+        if key == "properties":
+            out[key] = {name: _clean(sub, defs) for name, sub in value.items()}
+        elif key in _SUBSCHEMA and isinstance(value, dict):
+            out[key] = _clean(value, defs)
+        elif key in _SUBSCHEMA_LISTS:
+            out[key] = [_clean(sub, defs) for sub in value]
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def section_schema(model: type[BaseModel], *, description: str | None = None) -> dict[str, Any]:
+    """The JSON schema (draft 2020-12) of a section model, self-contained (pydantic's ``$defs``
+    references inlined, so it can sit under ``properties.<name>`` of the whole config's schema), without
+    pydantic's titles; ``additionalProperties: false`` on every object (``extra="forbid"``).
+
+    Raises:
+        KeyError: a ``$ref`` to a definition pydantic did not emit (a bug of the model).
+    """
+    raw = model.model_json_schema(mode="validation")
+    out = _clean(raw, raw.get("$defs", {}))
+    if description is not None:
+        out["description"] = description
+    return out
+
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, (list, tuple)):
+        return [_dump(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def section_defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """``{key: default}`` of every field of ``model`` that has a default (nested sections as plain
+    mappings, in JSON form): what :func:`impl.config.validate_config` merges under the user's values.
+    Required fields have no entry."""
+    out: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        if field.is_required():
+            continue
+        value = field.default_factory() if field.default_factory is not None else field.default
+        out[name] = _dump(value)
+    return out

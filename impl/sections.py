@@ -10,7 +10,7 @@ Imports pydantic only (no torch): Snakemake reads the schemas at parse time.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -19,9 +19,15 @@ __all__ = ["Section", "section_schema", "section_defaults"]
 
 class Section(BaseModel):
     """Base of every typed config section: unknown keys are errors (as in the JSON schema), values are
-    immutable once validated."""
+    immutable once validated.
+
+    ``optional_keys`` names fields whose absence means something (a sub-section that is off unless
+    given, or a mapping a user's value replaces whole): :func:`section_defaults` leaves them out of
+    the defaults merged under the user's values; the section's ``check`` fills them in where needed.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    optional_keys: ClassVar[tuple[str, ...]] = ()
 
 
 _SUBSCHEMA = ("items", "additionalProperties", "not", "propertyNames", "contains", "if", "then", "else")
@@ -46,6 +52,23 @@ def _clean(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out[key] = [_clean(sub, defs) for sub in value]
         else:
             out[key] = copy.deepcopy(value)
+    return _fold_null(out)
+
+
+def _fold_null(node: dict[str, Any]) -> dict[str, Any]:
+    """``X | None`` arrives as ``anyOf: [X, {"type": "null"}]``; fold it into X with ``type: [t, "null"]``
+    (the same instances validate, X's other keywords ignore null) so that an error inside X names its
+    own key path (``vskipper.quality.served.point``), not only the union's."""
+    branches = node.get("anyOf")
+    if not isinstance(branches, list) or len(branches) != 2 or {"type": "null"} not in branches:
+        return node
+    other = next(b for b in branches if b != {"type": "null"})
+    if not isinstance(other.get("type"), str) or "anyOf" in other:
+        return node
+    rest = {k: v for k, v in node.items() if k != "anyOf"}
+    out = {**other, **rest, "type": [other["type"], "null"]}
+    if "enum" in out:  # enum constrains null too
+        out["enum"] = [*out["enum"], None]
     return out
 
 
@@ -75,10 +98,11 @@ def _dump(value: Any) -> Any:
 def section_defaults(model: type[BaseModel]) -> dict[str, Any]:
     """``{key: default}`` of every field of ``model`` that has a default (nested sections as plain
     mappings, in JSON form): what :func:`impl.config.validate_config` merges under the user's values.
-    Required fields have no entry."""
+    Required fields and the model's ``optional_keys`` have no entry."""
     out: dict[str, Any] = {}
+    skip = set(getattr(model, "optional_keys", ()))
     for name, field in model.model_fields.items():
-        if field.is_required():
+        if field.is_required() or name in skip:
             continue
         value = field.default_factory() if field.default_factory is not None else field.default
         out[name] = _dump(value)

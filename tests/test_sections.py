@@ -11,9 +11,11 @@ from impl.config import ConfigError, load_config
 from impl.dex.schema import DexSection, dex_section
 from impl.sections import Section, section_defaults, section_schema
 from impl.tev.schema import TevSection, tev_section
+from impl.vskipper.schema import VskipperSection, vskipper_section
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPED = {"dex": (DexSection, dex_section), "tev": (TevSection, tev_section)}
+TYPED = {"dex": (DexSection, dex_section), "tev": (TevSection, tev_section),
+         "vskipper": (VskipperSection, vskipper_section)}
 
 
 class _Inner(Section):
@@ -46,7 +48,7 @@ def test_section_schema_and_defaults_come_from_the_model(name):
     mod = importlib.import_module(f"impl.{name}.schema")
     assert mod.SECTION == section_schema(model, description=model.__doc__.strip())
     assert mod.DEFAULTS == section_defaults(model)
-    assert "$ref" not in json.dumps(mod.SECTION)
+    assert "$ref" not in json.dumps(mod.SECTION) and '{"type": "null"}' not in json.dumps(mod.SECTION)
 
 
 @pytest.mark.parametrize("config", ["default.yaml", "smoke.yaml"])
@@ -55,7 +57,8 @@ def test_validated_section_round_trips(config, name):
     cfg = load_config(ROOT / "configs" / config, check_paths=False)
     model, get = TYPED[name]
     typed = get(cfg)
-    assert isinstance(typed, model) and typed.model_dump(mode="json") == cfg[name]
+    # the typed object holds exactly the validated section (absent optional sub-sections stay unset)
+    assert isinstance(typed, model) and typed.model_dump(mode="json", exclude_unset=True) == cfg[name]
 
 
 def test_missing_section_is_one_line():
@@ -95,4 +98,27 @@ def test_vskipper_bench_settings_are_config_keys(tmp_path):
     cfg["vskipper"]["bench"]["wide_heads"] = 0
     f.write_text(yaml.safe_dump(cfg))
     with pytest.raises(ConfigError, match=r"vskipper\.bench\.wide_heads"):
+        load_config(f, check_paths=False)
+
+
+def test_optional_subsections_are_not_defaults_and_null_unions_name_the_key(tmp_path):
+    """vskipper.quality / cross_model / devices / bench / load_points are absent unless given (or filled
+    by the section's check); an error inside an optional mapping names the sub-key."""
+    import yaml
+
+    from impl.vskipper.schema import DEFAULTS, SECTION
+
+    assert not {"quality", "cross_model", "devices", "bench", "load_points"} & set(DEFAULTS)
+    assert SECTION["properties"]["quality"]["properties"]["served"]["type"] == ["object", "null"]
+    assert SECTION["properties"]["knee"]["properties"]["requests"]["type"] == ["integer", "null"]
+    cfg = yaml.safe_load((ROOT / "configs" / "smoke.yaml").read_text())
+    cfg["vskipper"].setdefault("quality", {"tasks": ["gsm8k"]})["served"] = {"point": "9bad"}
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=r"vskipper\.quality\.served\.point"):
+        load_config(f, check_paths=False)
+    cfg["vskipper"]["quality"]["served"] = None  # null = no served-at-knee pass
+    cfg["vskipper"]["bench"] = {"hybrid": None}  # null is not a bench setting
+    f.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=r"vskipper\.bench\.hybrid"):
         load_config(f, check_paths=False)

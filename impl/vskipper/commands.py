@@ -33,12 +33,19 @@ BENCH_DEFAULTS = dict(
 )
 
 
-def _settings(args, cfg: dict) -> dict:
-    sec = ((cfg.get("vskipper") or {}).get("bench") or {}) if isinstance(cfg, dict) else {}
+def _settings(args, cfg: dict | None) -> dict:
+    """Flag, else the config's ``vskipper.bench`` key (typed: :class:`impl.vskipper.schema.Bench`), else
+    :data:`BENCH_DEFAULTS`, per setting."""
+    from .schema import VskipperSection
+
+    bench = None
+    if isinstance(cfg, dict) and cfg.get("vskipper"):
+        bench = VskipperSection.model_validate(cfg["vskipper"]).bench
     out = {}
     for k, v in BENCH_DEFAULTS.items():
         a = getattr(args, k, None)
-        out[k] = a if a is not None else sec.get(k, v)
+        c = getattr(bench, k) if bench is not None else None
+        out[k] = a if a is not None else (c if c is not None else v)
     return out
 
 

@@ -1,10 +1,13 @@
-"""The optional ``vskipper:`` config section (vSkipper Sec. 4, Tables 2-7, Fig. 3): JSON schema,
-defaults and cross-checks. Absent section = no vSkipper serving rules.
+"""The optional ``vskipper:`` config section (vSkipper Sec. 4, Tables 2-7, Fig. 3): typed models (the one
+source of its keys, bounds and defaults), the JSON schema and defaults generated from them, and
+cross-checks. Absent section = no vSkipper serving rules.
 
 Plugged into :mod:`impl.config` through ``CONFIG_SECTIONS``: this module exposes :data:`SECTION` (the
-section's JSON schema), :data:`DEFAULTS` (merged under the user's values) and :func:`check` (cross-key
-checks on the whole validated config, raising :class:`impl.config.ConfigError` one-liners that name the
-key). Snakemake imports it at parse time, so it imports nothing heavy (no torch).
+section's JSON schema, generated from :class:`VskipperSection`), :data:`DEFAULTS` (merged under the
+user's values) and :func:`check` (cross-key checks on the whole validated config, raising
+:class:`impl.config.ConfigError` one-liners that name the key). :func:`vskipper_section` gives a
+command the typed section. Snakemake imports it at parse time, so it imports nothing heavy (pydantic,
+no torch).
 
 Keys (units in brackets):
 
@@ -87,201 +90,241 @@ Keys (units in brackets):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-__all__ = ["SECTION", "DEFAULTS", "DEFAULT_LOAD_POINTS", "ABLATION_ARMS", "QUALITY_TASKS", "QUALITY_DEFAULTS",
-           "SERVED_DEFAULTS", "CROSS_DEFAULTS", "served_knee_workload", "transfer_settings", "target_config", "check"]
+from pydantic import Field
+from pydantic.json_schema import SkipJsonSchema
+
+from ..sections import Section, section_defaults, section_schema
+
+__all__ = ["VskipperSection", "vskipper_section", "SECTION", "DEFAULTS", "DEFAULT_LOAD_POINTS", "ABLATION_ARMS",
+           "QUALITY_TASKS", "QUALITY_DEFAULTS", "SERVED_DEFAULTS", "CROSS_DEFAULTS", "served_knee_workload",
+           "transfer_settings", "target_config", "check"]
 
 #: ablation arm names (a subset of :data:`impl.vskipper.mode.ABLATIONS`; no torch import here)
 ABLATION_ARMS = ("prefill-only", "decode-only", "no-promotion", "always-route")
-#: default ``load_points`` (the paper's); not in :data:`DEFAULTS` because a user's mapping replaces it
-#: entirely (a deep merge could not drop a label) - :func:`check` fills it in when absent
-DEFAULT_LOAD_POINTS = {"below": 0.75, "knee": 0.95, "overload": 1.25}
 #: tasks the quality rule may score
 QUALITY_TASKS = ("gsm8k", "bbh", "coqa")
+_NAME = "^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # model / device names: safe as one path component
+_LABEL = "^[A-Za-z][A-Za-z0-9_]*$"  # load-point labels
+_RESOURCE = "^[A-Za-z_][A-Za-z0-9_]*$"  # Snakemake resource names
+_LANES = ("matched", "natural")
+_SUITES = ["gsm8k", "humaneval", "xsum", "mt_bench", "math500", "bbh", "coqa"]
+
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosNum = Annotated[float, Field(gt=0)]
+NonNegNum = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+Name = Annotated[str, Field(pattern=_NAME)]
+Label = Annotated[str, Field(pattern=_LABEL)]
+Suite = Literal[tuple(_SUITES)]  # type: ignore[valid-type]
+_UNIQUE = {"uniqueItems": True}
+
+
+class Engine(Section):
+    """``vskipper.engine``: transformers continuous-batching settings shared by every arm."""
+
+    page_size: Annotated[int, Field(ge=8)] = Field(64, description="[tokens]")
+    num_blocks: PosInt | None = Field(None, description="null: enough pages for every request of a run at once")
+    max_batch_tokens: Annotated[int, Field(ge=16)] = Field(2048, description="[tokens per forward]")
+    max_requests_per_batch: PosInt = 64
+
+
+class Knee(Section):
+    """``vskipper.knee``: the Q* sweep on the upstream arm under natural generation."""
+
+    rates: list[PosNum] = Field([4.0, 8.0, 12.0, 16.0, 24.0, 32.0], min_length=3, json_schema_extra=_UNIQUE,
+                                description="absolute arrival rates [req/s]")
+    eps: NonNegNum = Field(0.02, description="growth threshold")
+    requests: PosInt | None = Field(None, description="null = vskipper.requests")
+    on_boundary: Literal["boundary", "skip"] = "boundary"
+
+
+class FlexiDepth(Section):
+    """``vskipper.flexidepth``: the router / projector training of the FlexiDepth skipper."""
+
+    steps: PosInt = 200
+    batch_size: PosInt = 8
+    seq_len: Annotated[int, Field(ge=8)] = 128
+    lr: PosNum = 3e-3
+    skip_alpha: NonNegNum = 0.1
+    routed_layers: Annotated[list[NonNegInt], Field(min_length=1, json_schema_extra=_UNIQUE)] | None = None
+    threads: PosInt = 1
+    max_chars: Annotated[int, Field(ge=10000)] = 2_000_000
+    eval_windows: PosInt = 16
+
+
+class Profile(Section):
+    """``vskipper.profile``: the thresholds profile (routed cost per phase)."""
+
+    prefill_tokens: list[PosInt] = Field([128, 512], min_length=1)
+    prefill_prompt_len: PosInt = 64
+    decode_requests: list[PosInt] = Field([8, 32], min_length=1)
+    decode_context: PosInt = 96
+    repeats: PosInt = 5
+    share_slack: Annotated[float, Field(gt=0, le=1)] = 0.7
+    margin: PosNum = 1.0
+    probe_every: PosInt = 64
+    share_prompts: PosInt = 8
+
+
+class RandomSkipMap(Section):
+    """``vskipper.randomskip``: the Fig. 3 map; ``r: []`` = no map rule."""
+
+    r: list[Fraction] = Field([0.25, 0.5, 0.75], json_schema_extra=_UNIQUE)
+    d: list[Fraction] = Field([0.25, 0.5, 0.75], json_schema_extra=_UNIQUE)
+    point: str = "knee"
+    repetitions: PosInt = 1
+    requests: PosInt | None = None
+    seed: NonNegInt = 0
+    layer_choice: Literal["per_row", "fixed"] = "per_row"
+
+
+class Bench(Section):
+    """``vskipper.bench`` (optional): settings of the per-step timing benchmark (rule vskipper_bench),
+    named as the ``vskipper-bench`` flags; a key left out takes the command's default
+    (``impl.vskipper.commands.BENCH_DEFAULTS``), a flag wins over both."""
+
+    prefill_tokens: Annotated[list[PosInt], Field(min_length=1)] | SkipJsonSchema[None] = None
+    prompt_len: PosInt | SkipJsonSchema[None] = None
+    decode_requests: Annotated[list[PosInt], Field(min_length=1)] | SkipJsonSchema[None] = None
+    decode_context: PosInt | SkipJsonSchema[None] = None
+    repeats: PosInt | SkipJsonSchema[None] = None
+    warmup: NonNegInt | SkipJsonSchema[None] = None
+    r: Annotated[list[Fraction], Field(min_length=1, json_schema_extra=_UNIQUE)] | SkipJsonSchema[None] = None
+    d: Annotated[list[Fraction], Field(min_length=1, json_schema_extra=_UNIQUE)] | SkipJsonSchema[None] = None
+    hybrid: bool | SkipJsonSchema[None] = None
+    profile_repeats: PosInt | SkipJsonSchema[None] = None
+    profile_steps: PosInt | SkipJsonSchema[None] = None
+    profile_requests: list[PosInt] | SkipJsonSchema[None] = None
+    wide_hidden: PosInt | SkipJsonSchema[None] = None
+    wide_intermediate: PosInt | SkipJsonSchema[None] = None
+    wide_layers: PosInt | SkipJsonSchema[None] = None
+    wide_heads: PosInt | SkipJsonSchema[None] = None
+
+
+class Http(Section):
+    """``vskipper.http``: every engine arm over HTTP on every tiny model (rule vskipper_http)."""
+
+    n_prompts: PosInt = Field(4, description="requests per OpenAI-client check")
+    max_tokens: PosInt = Field(16, description="tokens per request (EOS ignored)")
+    limit: PosInt = Field(4, description="GSM8K documents served to lm-eval local-completions")
+    r: Fraction = 0.5
+    d: Fraction = 0.5
+
+
+class MaxGenToks(Section):
+    """``vskipper.quality.max_gen_toks``: lm-eval generation budgets per task [tokens]."""
+
+    gsm8k: PosInt = 64
+    bbh: PosInt = 64
+    coqa: PosInt = 32
+
+
+class Served(Section):
+    """``vskipper.quality.served``: the served-at-knee pass (Table 5 right); ``served: null`` = off."""
+
+    point: Label = "knee"
+    workload: Suite | None = None
+    requests: NonNegInt | None = None
+
+
+class Quality(Section):
+    """``vskipper.quality`` (optional; absent = no quality rule): the lm-eval 2x2 DiD (Table 5)."""
+
+    tasks: Annotated[list[Literal[QUALITY_TASKS]], Field(min_length=1, json_schema_extra=_UNIQUE)]  # type: ignore[valid-type]
+    limit: PosInt | None = 8
+    bbh_subtasks: Annotated[list[Annotated[str, Field(pattern="^[a-z0-9_]+$")]],
+                            Field(min_length=1, json_schema_extra=_UNIQUE)] = [
+        "boolean_expressions", "sports_understanding"]
+    gsm8k_num_fewshot: NonNegInt = 5
+    max_gen_toks: MaxGenToks = Field(default_factory=MaxGenToks)
+    first_token_docs: NonNegInt = 1
+    tol: PosNum = 0.01
+    http_concurrency: PosInt | None = None
+    # object or null (null: no served-at-knee rule)
+    served: Served | None = Field(default_factory=Served)
+
+
+class CrossModel(Section):
+    """``vskipper.cross_model`` (Table 6, Sec. 4.4): models besides ``vskipper.model``."""
+
+    models: Annotated[list[Name], Field(json_schema_extra=_UNIQUE)] = Field(
+        [], description="models besides vskipper.model (keys of models)")
+    workload: Suite = "gsm8k"
+    point: Label = "knee"
+    repetitions: PosInt | None = None
+
+
+class Device(Section):
+    """One entry of ``vskipper.devices`` (Table 7, Sec. 4.4)."""
+
+    name: Name
+    device: Annotated[str, Field(pattern="^(cpu|cuda(:[0-9]+)?)$")]
+    threads: PosInt = Field(description="torch intra-op threads of this device's jobs")
+    repetitions: PosInt | None = None
+    resources: dict[str, str | int] = Field(
+        {}, json_schema_extra={"propertyNames": {"pattern": _RESOURCE}}, description="Snakemake resources of this device's jobs (slurm_partition, gres, ...)")
+
+
+class VskipperSection(Section):
+    """vSkipper serving experiments (Sec. 4: knee, matched-work cells, ablations, RandomSkip map); absent = no vSkipper rules"""
+
+    # absent = off (bench, quality, cross_model, devices) or replaced whole when given (load_points):
+    # not merged from the defaults; check() fills load_points, quality and cross_model in
+    optional_keys = ("load_points", "bench", "quality", "cross_model", "devices")
+
+    model: str = Field("tiny-std", description="base model served (a key of models)")
+    workloads: Annotated[list[Suite], Field(min_length=1, json_schema_extra=_UNIQUE)] = ["gsm8k"]
+    max_new_tokens: PosInt = 32
+    requests: PosInt = Field(48, description="requests per performance cell")
+    repetitions: PosInt = Field(2, description="paired repetitions per main cell (paper: 6)")
+    lanes: Annotated[list[Literal[_LANES]], Field(min_length=1, json_schema_extra=_UNIQUE)] = list(_LANES)  # type: ignore[valid-type]
+    load_points: Annotated[dict[str, PosNum], Field(min_length=1, json_schema_extra={"propertyNames": {"pattern": _LABEL}})] = Field(
+        {"below": 0.75, "knee": 0.95, "overload": 1.25}, description="label -> multiple of Q*")
+    timeout_s: PosNum = 300.0
+    engine: Engine = Field(default_factory=Engine)
+    knee: Knee = Field(default_factory=Knee)
+    flexidepth: FlexiDepth = Field(default_factory=FlexiDepth)
+    profile: Profile = Field(default_factory=Profile)
+    ablations: Annotated[list[Literal[ABLATION_ARMS]], Field(json_schema_extra=_UNIQUE)] = list(ABLATION_ARMS)  # type: ignore[valid-type]
+    ablation_repetitions: PosInt = 1
+    randomskip: RandomSkipMap = Field(default_factory=RandomSkipMap)
+    bench: Bench | SkipJsonSchema[None] = None
+    http: Http = Field(default_factory=Http)
+    quality: Quality | SkipJsonSchema[None] = None
+    cross_model: CrossModel | SkipJsonSchema[None] = None
+    devices: list[Device] | SkipJsonSchema[None] = None
+
+
+SECTION: dict[str, Any] = section_schema(VskipperSection, description=VskipperSection.__doc__.strip())
+DEFAULTS: dict[str, Any] = section_defaults(VskipperSection)
+#: default ``load_points`` (the paper's); not in :data:`DEFAULTS` because a user's mapping replaces it
+#: entirely (a deep merge could not drop a label) - :func:`check` fills it in when absent
+DEFAULT_LOAD_POINTS: dict[str, float] = dict(VskipperSection.model_fields["load_points"].default)
 #: defaults of the optional ``quality`` section, merged under the user's keys by :func:`check` when the
 #: section is given (not in :data:`DEFAULTS`: an absent section means no quality rule). Sized for the
 #: embedded CPU default (about 5 minutes for the three suites on 2 cores); the paper scores every
 #: held-out document with lm-eval's budgets.
-QUALITY_DEFAULTS: dict[str, Any] = {
-    "limit": 8,
-    "bbh_subtasks": ["boolean_expressions", "sports_understanding"],
-    "gsm8k_num_fewshot": 5,
-    "max_gen_toks": {"gsm8k": 64, "bbh": 64, "coqa": 32},
-    "first_token_docs": 1,
-    "tol": 0.01,
-    "http_concurrency": None,
-}
+QUALITY_DEFAULTS: dict[str, Any] = {k: v for k, v in section_defaults(Quality).items() if k != "served"}
 #: defaults of ``vskipper.quality.served`` (the served-at-knee pass, Table 5 right), merged under a given
 #: mapping; ``served: null`` turns the pass off
-SERVED_DEFAULTS: dict[str, Any] = {"point": "knee", "workload": None, "requests": None}
+SERVED_DEFAULTS: dict[str, Any] = section_defaults(Served)
 #: defaults of ``vskipper.cross_model`` (Table 6), merged under a given mapping by :func:`check`; the
 #: workload and load point also set where the Table 7 device targets are measured
-CROSS_DEFAULTS: dict[str, Any] = {"models": [], "workload": "gsm8k", "point": "knee", "repetitions": None}
-_NAME = "^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # model / device names: safe as one path component
-_LANES = ("matched", "natural")
-
-_POS_INT = {"type": "integer", "minimum": 1}
-_POS_NUM = {"type": "number", "exclusiveMinimum": 0}
-_FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
-_SUITES = ["gsm8k", "humaneval", "xsum", "mt_bench", "math500", "bbh", "coqa"]
+CROSS_DEFAULTS: dict[str, Any] = section_defaults(CrossModel)
 
 
-def _obj(props: dict, required: tuple = ()) -> dict:
-    out = {"type": "object", "additionalProperties": False, "properties": props}
-    if required:
-        out["required"] = list(required)
-    return out
+def vskipper_section(cfg: dict[str, Any]) -> VskipperSection:
+    """The validated config's ``vskipper`` section as a typed object.
 
-
-SECTION: dict[str, Any] = {
-    **_obj({
-        "model": {"type": "string", "description": "base model served (a key of models)"},
-        "workloads": {"type": "array", "items": {"enum": _SUITES}, "minItems": 1, "uniqueItems": True},
-        "max_new_tokens": _POS_INT,
-        "requests": {**_POS_INT, "description": "requests per performance cell"},
-        "repetitions": {**_POS_INT, "description": "paired repetitions per main cell (paper: 6)"},
-        "lanes": {"type": "array", "items": {"enum": list(_LANES)}, "minItems": 1, "uniqueItems": True},
-        "load_points": {"type": "object", "minProperties": 1,
-                        "propertyNames": {"pattern": "^[A-Za-z][A-Za-z0-9_]*$"},
-                        "additionalProperties": _POS_NUM,
-                        "description": "label -> multiple of Q*"},
-        "timeout_s": _POS_NUM,
-        "engine": _obj({
-            "page_size": {"type": "integer", "minimum": 8},
-            "num_blocks": {"oneOf": [{"type": "null"}, _POS_INT]},
-            "max_batch_tokens": {"type": "integer", "minimum": 16},
-            "max_requests_per_batch": _POS_INT,
-        }),
-        "knee": _obj({
-            "rates": {"type": "array", "items": _POS_NUM, "minItems": 3, "uniqueItems": True},
-            "eps": {"type": "number", "minimum": 0},
-            "requests": {"oneOf": [{"type": "null"}, _POS_INT]},
-            "on_boundary": {"enum": ["boundary", "skip"]},
-        }),
-        "flexidepth": _obj({
-            "steps": _POS_INT,
-            "batch_size": _POS_INT,
-            "seq_len": {"type": "integer", "minimum": 8},
-            "lr": _POS_NUM,
-            "skip_alpha": {"type": "number", "minimum": 0},
-            "routed_layers": {"oneOf": [{"type": "null"},
-                                        {"type": "array", "items": {"type": "integer", "minimum": 0},
-                                         "minItems": 1, "uniqueItems": True}]},
-            "threads": _POS_INT,
-            "max_chars": {"type": "integer", "minimum": 10000},
-            "eval_windows": _POS_INT,
-        }),
-        "profile": _obj({
-            "prefill_tokens": {"type": "array", "items": _POS_INT, "minItems": 1},
-            "prefill_prompt_len": _POS_INT,
-            "decode_requests": {"type": "array", "items": _POS_INT, "minItems": 1},
-            "decode_context": _POS_INT,
-            "repeats": _POS_INT,
-            "share_slack": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-            "margin": _POS_NUM,
-            "probe_every": _POS_INT,
-            "share_prompts": _POS_INT,
-        }),
-        "ablations": {"type": "array", "items": {"enum": list(ABLATION_ARMS)}, "uniqueItems": True},
-        "ablation_repetitions": _POS_INT,
-        "randomskip": _obj({
-            "r": {"type": "array", "items": _FRACTION, "uniqueItems": True},
-            "d": {"type": "array", "items": _FRACTION, "uniqueItems": True},
-            "point": {"type": "string"},
-            "repetitions": _POS_INT,
-            "requests": {"oneOf": [{"type": "null"}, _POS_INT]},
-            "seed": {"type": "integer", "minimum": 0},
-            "layer_choice": {"enum": ["per_row", "fixed"]},
-        }),
-        # rule vskipper_bench: per-step timing settings (impl.vskipper.commands; absent keys take the
-        # command's defaults, BENCH_DEFAULTS there, and its flags win over both)
-        "bench": _obj({
-            "prefill_tokens": {"type": "array", "items": _POS_INT, "minItems": 1},
-            "prompt_len": _POS_INT,
-            "decode_requests": {"type": "array", "items": _POS_INT, "minItems": 1},
-            "decode_context": _POS_INT,
-            "repeats": _POS_INT,
-            "warmup": {"type": "integer", "minimum": 0},
-            "r": {"type": "array", "items": _FRACTION, "minItems": 1, "uniqueItems": True},
-            "d": {"type": "array", "items": _FRACTION, "minItems": 1, "uniqueItems": True},
-            "hybrid": {"type": "boolean"},
-            "profile_repeats": _POS_INT,
-            "profile_steps": _POS_INT,
-            "profile_requests": {"type": "array", "items": _POS_INT},
-            "wide_hidden": _POS_INT,
-            "wide_intermediate": _POS_INT,
-            "wide_layers": _POS_INT,
-            "wide_heads": _POS_INT,
-        }),
-        # rule vskipper_http: every engine arm over HTTP on every tiny model (impl.vskipper.http_check)
-        "http": _obj({
-            "n_prompts": {**_POS_INT, "description": "requests per OpenAI-client check"},
-            "max_tokens": {**_POS_INT, "description": "tokens per request (EOS ignored)"},
-            "limit": {**_POS_INT, "description": "GSM8K documents served to lm-eval local-completions"},
-            "r": _FRACTION,
-            "d": _FRACTION,
-        }),
-        "quality": _obj({
-            "tasks": {"type": "array", "items": {"enum": list(QUALITY_TASKS)}, "minItems": 1, "uniqueItems": True},
-            "limit": {"oneOf": [{"type": "null"}, _POS_INT]},
-            "bbh_subtasks": {"type": "array", "minItems": 1, "uniqueItems": True,
-                             "items": {"type": "string", "pattern": "^[a-z0-9_]+$"}},
-            "gsm8k_num_fewshot": {"type": "integer", "minimum": 0},
-            "max_gen_toks": _obj({s: _POS_INT for s in QUALITY_TASKS}),
-            "first_token_docs": {"type": "integer", "minimum": 0},
-            "tol": _POS_NUM,
-            "http_concurrency": {"oneOf": [{"type": "null"}, _POS_INT]},
-            # object or null (null: no served-at-knee rule); errors name the sub-key
-            "served": {**_obj({
-                "point": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_]*$"},
-                "workload": {"enum": [None, *_SUITES]},
-                "requests": {"type": ["integer", "null"], "minimum": 0},
-            }), "type": ["object", "null"]},
-        }, required=("tasks",)),
-        # Table 6 (cross-model) and Table 7 (hardware transfer), Sec. 4.4
-        "cross_model": _obj({
-            "models": {"type": "array", "uniqueItems": True, "items": {"type": "string", "pattern": _NAME},
-                       "description": "models besides vskipper.model (keys of models)"},
-            "workload": {"enum": _SUITES},
-            "point": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_]*$"},
-            "repetitions": {"oneOf": [{"type": "null"}, _POS_INT]},
-        }),
-        "devices": {"type": "array", "items": _obj({
-            "name": {"type": "string", "pattern": _NAME},
-            "device": {"type": "string", "pattern": "^(cpu|cuda(:[0-9]+)?)$"},
-            "threads": {**_POS_INT, "description": "torch intra-op threads of this device's jobs"},
-            "repetitions": {"oneOf": [{"type": "null"}, _POS_INT]},
-            "resources": {"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
-                          "additionalProperties": {"type": ["string", "integer"]},
-                          "description": "Snakemake resources of this device's jobs (slurm_partition, gres, ...)"},
-        }, required=("name", "device", "threads"))},
-    }),
-    "description": "vSkipper serving experiments (Sec. 4: knee, matched-work cells, ablations, RandomSkip map); "
-                   "absent = no vSkipper rules",
-}
-
-DEFAULTS: dict[str, Any] = {
-    "model": "tiny-std",
-    "workloads": ["gsm8k"],
-    "max_new_tokens": 32,
-    "requests": 48,
-    "repetitions": 2,
-    "lanes": ["matched", "natural"],
-    "timeout_s": 300.0,
-    "engine": {"page_size": 64, "num_blocks": None, "max_batch_tokens": 2048, "max_requests_per_batch": 64},
-    "knee": {"rates": [4.0, 8.0, 12.0, 16.0, 24.0, 32.0], "eps": 0.02, "requests": None, "on_boundary": "boundary"},
-    "flexidepth": {"steps": 200, "batch_size": 8, "seq_len": 128, "lr": 3e-3, "skip_alpha": 0.1,
-                   "routed_layers": None, "threads": 1, "max_chars": 2_000_000, "eval_windows": 16},
-    "profile": {"prefill_tokens": [128, 512], "prefill_prompt_len": 64, "decode_requests": [8, 32],
-                "decode_context": 96, "repeats": 5, "share_slack": 0.7, "margin": 1.0, "probe_every": 64,
-                "share_prompts": 8},
-    "ablations": list(ABLATION_ARMS),
-    "ablation_repetitions": 1,
-    "randomskip": {"r": [0.25, 0.5, 0.75], "d": [0.25, 0.5, 0.75], "point": "knee", "repetitions": 1,
-                   "requests": None, "seed": 0, "layer_choice": "per_row"},
-    "http": {"n_prompts": 4, "max_tokens": 16, "limit": 4, "r": 0.5, "d": 0.5},
-}
+    Raises:
+        SystemExit: the config has no ``vskipper`` section (one line).
+    """
+    if "vskipper" not in cfg:
+        raise SystemExit("error: the config has no 'vskipper' section")
+    return VskipperSection.model_validate(cfg["vskipper"])
 
 
 def _error(msg: str):

@@ -126,10 +126,11 @@ def cmd_train_adapters(args) -> None:
     from .provenance import atomic_path, provenance, write_json
 
     cfg = config_from_args(args)
-    a = dex_section(cfg, why=" (adapter settings live in dex.adapters)").adapters
+    dex = dex_section(cfg, why=" (adapter settings live in dex.adapters)")
+    a = dex.adapters
     model = load_for(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
-    depths = adapter_depths(cfg["dex"], num_layers(model))
+    depths = adapter_depths(dex, num_layers(model))
     tcfg = AdapterTrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr,
                               position_fraction=a.position_fraction, seed=cfg["seed"], threads=a.threads)
     train, val = sharegpt_tokens(cfg["data_dir"], tok, a.max_chars)
@@ -337,10 +338,10 @@ def cmd_dex_cell(args) -> None:
         log.warning("%s has %d prompts: %d evaluated (dex.n_prompts=%d), %d for tuning (tune_prompts=%d)",
                     args.prompts, len(suite), len(prompts), n, len(tune), nt)
     eos = model.config.eos_token_id if d.stop_at_eos else None
-    arms = dex_arms(cfg["dex"], L)
+    arms = dex_arms(d, L)
     tuning: list[dict] = []
     if not adapters and tune:  # baselines run on the plain model; the adapter variant adds DEX arms only
-        extra, tuning = tune_baselines(model, tune, cfg["dex"], L, d.max_new_tokens, eos)
+        extra, tuning = tune_baselines(model, tune, d, L, d.max_new_tokens, eos)
         arms += extra
     rows = run_cell(model, prompts, arms, max_new_tokens=d.max_new_tokens, eos=eos, seed=cfg["seed"],
                     adapters=adapters, progress=not args.quiet)

@@ -3,17 +3,14 @@
 import numpy as np
 import pytest
 
-from impl.dex.schema import DEFAULTS as DEX_DEFAULTS
+from impl.dex.schema import DexSection
 from impl.dex.cell import Arm, adapter_depths, dex_arms, exploration_sets, predicted_match_index, run_cell, set_name
 from impl.report.dex import dex_tables
 
 
-def _cfg(**kw):
-    import copy
-
-    d = copy.deepcopy(DEX_DEFAULTS)
-    d.update(models=["m"], workloads=["gsm8k"], **kw)
-    return d
+def _cfg(**kw) -> DexSection:
+    """A typed dex section with the defaults, as a validated config gives it."""
+    return DexSection.model_validate({"models": ["m"], "workloads": ["gsm8k"], **kw})
 
 
 def test_arms_and_sets():
@@ -79,18 +76,20 @@ def test_missing_ar_arm_is_an_error(tiny_model):
 def test_tuned_baselines_add_the_transformers_reference_arm(tiny_model):
     from impl.dex.cell import tune_baselines
 
-    d = _cfg()
-    d["baselines"] = {"tune_prompts": 1, "self_spec": {"exit_layers": [2, 4], "num_speculations": [2]},
-                      "dynamic_exit": False, "hf_early_exit": True}
+    base = {"tune_prompts": 1, "self_spec": {"exit_layers": [2, 4], "num_speculations": [2]},
+            "adadecode": {"num_speculations": [2], "thresholds": [0.5]}, "dynamic_exit": False, "hf_early_exit": True}
+    d = _cfg(baselines=base)
     arms, tuning = tune_baselines(tiny_model, [{"id": "t", "input_ids": [5, 17, 42]}], d, 12, 8, None)
     by = {a.name: a for a in arms}
-    assert set(by) == {"self_spec", "hf_early_exit"} and by["hf_early_exit"].params == by["self_spec"].params
+    assert set(by) == {"self_spec", "hf_early_exit", "adadecode"} and by["hf_early_exit"].params == by["self_spec"].params
+    assert {r["method"] for r in tuning} == {"self_spec", "adadecode"}  # dynamic_exit: false -> no DEL grid
     rows = run_cell(tiny_model, [{"id": "p", "suite": "gsm8k", "input_ids": [1, 2, 3]}],
                     [Arm("ar", "ar", {}, 0.0, "ar")] + arms, max_new_tokens=10, eos=None, seed=0)
     hf = next(r for r in rows if r["arm"] == "hf_early_exit")
     assert hf["ar_match"] and hf["verify_passes"] >= 1
-    d["baselines"]["hf_early_exit"] = False
-    assert [a.name for a in tune_baselines(tiny_model, [{"id": "t", "input_ids": [5]}], d, 12, 4, None)[0]] == ["self_spec"]
+    d = _cfg(baselines={**base, "hf_early_exit": False})
+    assert [a.name for a in tune_baselines(tiny_model, [{"id": "t", "input_ids": [5]}], d, 12, 4, None)[0]] == [
+        "self_spec", "adadecode"]
 
 
 def test_adapter_ead_table_pairs_base_and_adapted():

@@ -27,6 +27,7 @@ from ..config import ADAPTED_SUFFIX, split_variant, variant_name  # noqa: F401  
 from ..ead.measure import measure_prompt
 from ..methods import build_method
 from ..spec.sampling import DecodeRule
+from .schema import DexSection
 
 log = logging.getLogger("impl.dex.cell")
 
@@ -50,22 +51,22 @@ class Arm:
     figure: str = "fig3"
 
 
-def exploration_sets(dex_cfg: dict, L: int) -> list[tuple[int, ...]]:
+def exploration_sets(dex: DexSection, L: int) -> list[tuple[int, ...]]:
     """Uniform DEX-1/K sets for ``dex.explorers`` (every K dividing L when empty) plus
     ``dex.exploration_sets``, deduplicated, in order.
 
     Raises:
         ValueError: a K that does not divide L or an invalid set.
     """
-    ks = dex_cfg.get("explorers") or [k for k in range(2, L + 1) if L % k == 0]
+    ks = dex.explorers or [k for k in range(2, L + 1) if L % k == 0]
     sets = [uniform_exploration_set(L, k) for k in ks]
-    sets += [validate_exploration_set(x, L) for x in dex_cfg.get("exploration_sets", [])]
+    sets += [validate_exploration_set(x, L) for x in dex.exploration_sets]
     return list(dict.fromkeys(sets))
 
 
-def adapter_depths(dex_cfg: dict, L: int) -> list[int]:
+def adapter_depths(dex: DexSection, L: int) -> list[int]:
     """Non-final depths of every exploration set the experiments use (where adapters attach)."""
-    sets = exploration_sets(dex_cfg, L) + [uniform_exploration_set(L, k) for k in dex_cfg["decs"]["explorers"]]
+    sets = exploration_sets(dex, L) + [uniform_exploration_set(L, k) for k in dex.decs.explorers]
     return sorted({d for X in sets for d in X[:-1]})
 
 
@@ -81,20 +82,20 @@ def _t(T: float) -> str:
     return f"@T{T:g}"
 
 
-def dex_arms(dex_cfg: dict, L: int) -> list[Arm]:
+def dex_arms(dex: DexSection, L: int) -> list[Arm]:
     """AR and DEX arms of a cell (baselines are added by :func:`tune_baselines`)."""
-    dd = bool(dex_cfg.get("dedupe", True))
+    dd = dex.dedupe
     arms = [Arm("ar", "ar", {}, 0.0, "ar")]
-    for X in exploration_sets(dex_cfg, L):
+    for X in exploration_sets(dex, L):
         arms.append(Arm(set_name(X, L), "dex", {"exploration_set": list(X), "dedupe": dd}))
-        if dex_cfg.get("single_exit", True) and len(X) > 2:
+        if dex.single_exit and len(X) > 2:
             arms.append(Arm(set_name(X, L) + "-single", "dex",
                             {"exploration_set": list(X), "single_exit": True, "dedupe": dd}, 0.0, "fig4_single"))
-    temps = dex_cfg["decs"]["temperatures"]
+    temps = dex.decs.temperatures
     for T in temps:
         if T > 0:
             arms.append(Arm("ar" + _t(T), "ar", {}, T, "ar"))
-    for k in dex_cfg["decs"]["explorers"]:
+    for k in dex.decs.explorers:
         X = uniform_exploration_set(L, k)
         for T in temps:
             base = set_name(X, L)
@@ -108,21 +109,18 @@ def dex_arms(dex_cfg: dict, L: int) -> list[Arm]:
     return arms
 
 
-def baseline_grid(dex_cfg: dict, L: int) -> dict[str, list[dict[str, Any]]]:
+def baseline_grid(dex: DexSection, L: int) -> dict[str, list[dict[str, Any]]]:
     """The tuning grid of each depth-selection baseline (DEX App. D, scaled to depth L)."""
-    b = dex_cfg["baselines"]
+    b = dex.baselines
     grids: dict[str, list[dict[str, Any]]] = {}
-    ss = b.get("self_spec")
-    if ss:
-        grids["self_spec"] = [{"exit_layer": e, "num_speculations": n}
-                              for e, n in itertools.product(ss["exit_layers"], ss["num_speculations"]) if e < L]
-    ad = b.get("adadecode")
-    if ad:
-        every = ad.get("shortcut_every", 2)
-        shortcuts = list(range(every, L, every))
-        grids["adadecode"] = [{"shortcut_layers": shortcuts, "num_speculations": n, "threshold": th}
-                              for n, th in itertools.product(ad["num_speculations"], ad["thresholds"])]
-    if b.get("dynamic_exit", True):
+    ss = b.self_spec
+    grids["self_spec"] = [{"exit_layer": e, "num_speculations": n}
+                          for e, n in itertools.product(ss.exit_layers, ss.num_speculations) if e < L]
+    ad = b.adadecode
+    shortcuts = list(range(ad.shortcut_every, L, ad.shortcut_every))
+    grids["adadecode"] = [{"shortcut_layers": shortcuts, "num_speculations": n, "threshold": th}
+                          for n, th in itertools.product(ad.num_speculations, ad.thresholds)]
+    if b.dynamic_exit:
         # DEL runs its dynamic configuration (no exit/length grid, App. D); only its draft-confidence
         # threshold is scanned, because a tiny model's readouts are rarely as confident as a 70B's
         grids["dynamic_exit"] = [{"confidence_threshold": c} for c in (0.0, 0.25, 0.5)]
@@ -137,7 +135,7 @@ def depth_speedup(rows: list[dict], L: int) -> float:
     return L * n / c if c else float("nan")
 
 
-def tune_baselines(model, prompts: list[dict], dex_cfg: dict, L: int, max_new_tokens: int,
+def tune_baselines(model, prompts: list[dict], dex: DexSection, L: int, max_new_tokens: int,
                    eos: int | None) -> tuple[list[Arm], list[dict]]:
     """Grid-search each baseline on ``prompts`` (greedy) and return its best arm.
 
@@ -146,7 +144,7 @@ def tune_baselines(model, prompts: list[dict], dex_cfg: dict, L: int, max_new_to
     """
     rule = DecodeRule()
     arms, rows = [], []
-    for method, grid in baseline_grid(dex_cfg, L).items():
+    for method, grid in baseline_grid(dex, L).items():
         best, best_s = None, -1.0
         for params in grid:
             run = build_method(method, model, rule, params)
@@ -161,7 +159,7 @@ def tune_baselines(model, prompts: list[dict], dex_cfg: dict, L: int, max_new_to
                 best, best_s = params, s
         arms.append(Arm(method, method, best, 0.0, "fig3"))
         log.info("tuned %s: %s (depth speedup %.3f on %d prompts)", method, best, best_s, len(prompts))
-        if method == "self_spec" and dex_cfg["baselines"].get("hf_early_exit", True):
+        if method == "self_spec" and dex.baselines.hf_early_exit:
             # the library's own LayerSkip-style early exit at the same (exit layer, draft length): a
             # reference next to the project's LSSD, greedy, not itself a tuned baseline
             arms.append(Arm("hf_early_exit", "hf_early_exit", dict(best), 0.0, "fig3"))

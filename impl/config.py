@@ -1,7 +1,9 @@
-"""Configuration: JSON-schema validation of the YAML config and typed views of its sections.
+"""Configuration: validation of the YAML config against the JSON schema generated from the typed
+section models (core: :mod:`impl.schema`; method sections: ``impl/<family>/schema.py``), and typed
+views of its sections.
 
-Configs flow one way (DESIGN.md): YAML -> :func:`validate_config` (JSON schema, one-line errors
-naming the key) -> rule params -> the typed dataclasses below. The same validator runs in
+Configs flow one way (ARCHITECTURE.md): YAML -> :func:`validate_config` (JSON schema, one-line errors
+naming the key) -> rule params -> the typed objects. The same validator runs in
 ``workflows/common.smk`` before any job starts and in every ``python -m impl`` command.
 """
 
@@ -19,202 +21,18 @@ import jsonschema
 import yaml
 
 from .registry import Registry
-from .workloads import SUITES, check_data
-from .models.corpus import SOURCES
+from .schema import CoreConfig, Ead
+from .sections import section_defaults, section_schema
+from .workloads import check_data
 
-_POS_INT = {"type": "integer", "minimum": 1}
-_POS_NUM = {"type": "number", "exclusiveMinimum": 0}
-
-_EARLY_EXIT = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "enabled": {"type": "boolean"},
-        "layers_per_step": _POS_INT,
-        "position_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "weight": {"type": "number", "minimum": 0},
-    },
-    "required": ["enabled"],
-}
-
-SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": "impl harness configuration",
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["data_dir", "results_dir", "figures_dir", "models_dir", "seed", "models", "workloads", "ead"],
-    "properties": {
-        "data_dir": {"type": "string", "description": "folder with the datasets of SOURCES.md"},
-        "results_dir": {"type": "string"},
-        "figures_dir": {"type": "string"},
-        "models_dir": {"type": "string", "description": "cache of trained tiny models"},
-        "logs_dir": {"type": "string"},
-        "seed": {"type": "integer", "minimum": 0},
-        "threads": _POS_INT,
-        "device": {"type": "string", "pattern": "^(cpu|cuda(:[0-9]+)?)$"},
-        "dtype": {"enum": ["float32", "bfloat16", "float16"]},
-        "tokenizer": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {"vocab_size": {"type": "integer", "minimum": 257}},
-        },
-        "corpus": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "sources": {"type": "array", "items": {"enum": list(SOURCES)}, "minItems": 1, "uniqueItems": True},
-                "max_chars_per_source": {
-                    "description": "character budget: one int for every source, or a mapping source -> int",
-                    "oneOf": [
-                        {"type": "integer", "minimum": 1000},
-                        {"type": "object", "propertyNames": {"enum": list(SOURCES)},
-                         "additionalProperties": {"type": "integer", "minimum": 1000}},
-                    ],
-                },
-                "val_fraction": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.5},
-            },
-        },
-        "tiny_arch": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "num_layers": {"type": "integer", "minimum": 2},
-                "hidden_size": _POS_INT,
-                "num_heads": _POS_INT,
-                "intermediate_size": _POS_INT,
-                "max_position_embeddings": {"type": "integer", "minimum": 16},
-            },
-        },
-        "training": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "steps": _POS_INT,
-                "batch_size": _POS_INT,
-                "seq_len": {"type": "integer", "minimum": 8},
-                "lr": _POS_NUM,
-                "warmup_steps": {"type": "integer", "minimum": 0},
-                "weight_decay": {"type": "number", "minimum": 0},
-                "grad_clip": _POS_NUM,
-                "eval_windows": _POS_INT,
-                "threads": _POS_INT,
-            },
-        },
-        "models": {
-            "type": "object",
-            "minProperties": 1,
-            "propertyNames": {"pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]*$"},
-            "additionalProperties": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["kind"],
-                "properties": {
-                    "kind": {"enum": ["tiny", "pretrained"]},
-                    "path": {"type": "string", "description": "local HF directory (kind: pretrained; with a gguf "
-                                                              "source: where to convert it, default models_dir/<name>)"},
-                    "gguf": {
-                        "type": "object",
-                        "description": "GGUF source that rule convert_<name> turns into the HF directory at path",
-                        "additionalProperties": False,
-                        "required": ["file"],
-                        "properties": {
-                            "file": {"type": "string", "minLength": 1,
-                                     "description": "file inside the installed package, or a path without one"},
-                            "package": {"type": "string", "minLength": 1, "description": "installed PyPI distribution"},
-                            "version": {"type": "string", "minLength": 1},
-                            "sha256": {"type": "string", "pattern": "^[0-9a-fA-F]{64}$"},
-                        },
-                    },
-                    "early_exit": _EARLY_EXIT,
-                    "description": {"type": "string"},
-                },
-                "allOf": [
-                    # pretrained without a gguf source: path required (with one, path defaults to models_dir/<name>)
-                    {"if": {"properties": {"kind": {"const": "pretrained"}}, "not": {"required": ["gguf"]}},
-                     "then": {"required": ["path"]}},
-                    # a gguf source only on pretrained models
-                    {"if": {"properties": {"kind": {"const": "tiny"}}}, "then": {"not": {"required": ["gguf"]}}},
-                ],
-            },
-        },
-        "max_prompt_tokens": {"type": "integer", "minimum": 2},
-        "overlong_prompt": {"enum": ["truncate_left", "skip"]},
-        "workloads": {
-            "type": "object",
-            "minProperties": 1,
-            "propertyNames": {"enum": list(SUITES)},
-            "additionalProperties": {
-                "type": "object",
-                "additionalProperties": False,
-                "properties": {
-                    "n_prompts": _POS_INT,
-                    "template": {"type": "string", "minLength": 1},
-                    "chat": {"type": "string", "minLength": 1,
-                             "description": "user-message template: models with a chat template get it as one "
-                                            "user turn through their own template (the plain template otherwise)"},
-                },
-                "required": ["n_prompts"],
-            },
-        },
-        "ead": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["models", "workloads", "max_new_tokens"],
-            "properties": {
-                "models": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                "workloads": {"type": "array", "items": {"enum": list(SUITES)}, "minItems": 1},
-                "max_new_tokens": _POS_INT,
-                "stop_at_eos": {"type": "boolean"},
-                "num_speculations": {"type": "array", "items": _POS_INT, "minItems": 1},
-                "n_prompts": {
-                    "description": "EAD and AR-bench prompts per suite (the suite's first n): one int for every "
-                                   "model, or a mapping model -> int (unlisted models: the whole suite)",
-                    "oneOf": [_POS_INT, {"type": "object", "additionalProperties": _POS_INT}],
-                },
-                "compare": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["baseline", "treatment"],
-                    "properties": {"baseline": {"type": "string"}, "treatment": {"type": "string"},
-                                   "shared": {"type": "boolean",
-                                              "description": "also teacher-force both models on each other's "
-                                                             "generations (needs one tokenizer; default: same kind)"}},
-                    "description": "paired per-prompt comparison of mean stable EAD (treatment - baseline)",
-                },
-                "nested_chains": {
-                    "type": "array",
-                    "items": {"type": "array", "items": _POS_INT, "minItems": 2},
-                },
-            },
-        },
-        "ar_bench": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "max_new_tokens": _POS_INT,
-                "warmup_prompts": {"type": "integer", "minimum": 0},
-                "repetitions": _POS_INT,
-            },
-        },
-    },
-}
-
-DEFAULTS: dict[str, Any] = {
-    "logs_dir": "logs",
-    "threads": 1,
-    "device": "cpu",
-    "dtype": "float32",
-    "tokenizer": {"vocab_size": 4096},
-    "corpus": {"sources": list(SOURCES), "max_chars_per_source": 4_000_000, "val_fraction": 0.02},
-    "tiny_arch": {"num_layers": 12, "hidden_size": 128, "num_heads": 4, "intermediate_size": 352,
-                  "max_position_embeddings": 1024},
-    "training": {"steps": 800, "batch_size": 8, "seq_len": 256, "lr": 3e-3, "warmup_steps": 50,
-                 "weight_decay": 0.1, "grad_clip": 1.0, "eval_windows": 64, "threads": 2},
-    "max_prompt_tokens": 512,
-    "overlong_prompt": "truncate_left",
-    "ar_bench": {"max_new_tokens": 64, "warmup_prompts": 2, "repetitions": 1},
-}
-EAD_DEFAULTS = {"stop_at_eos": True, "num_speculations": [1, 4], "nested_chains": [[2, 4, 12], [3, 6, 12]]}
+#: the JSON schema of the core sections, generated from :class:`impl.schema.CoreConfig` (the method
+#: sections are added by :func:`full_schema`)
+SCHEMA: dict[str, Any] = {"$schema": "https://json-schema.org/draft/2020-12/schema",
+                          **section_schema(CoreConfig, description=None), "title": "impl harness configuration"}
+#: defaults of the core sections (merged under the user's values), from :class:`impl.schema.CoreConfig`
+DEFAULTS: dict[str, Any] = section_defaults(CoreConfig)
+#: defaults of the ``ead`` section (required, so merged on its own), from :class:`impl.schema.Ead`
+EAD_DEFAULTS: dict[str, Any] = {k: v for k, v in section_defaults(Ead).items() if v is not None}
 
 
 class ConfigError(ValueError):

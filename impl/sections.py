@@ -52,7 +52,20 @@ def _clean(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out[key] = [_clean(sub, defs) for sub in value]
         else:
             out[key] = copy.deepcopy(value)
-    return _fold_null(out)
+    return _ordered(_fold_null(out))
+
+
+_FIRST = ("enum", "const", "type")
+_LAST = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else")
+
+
+def _ordered(node: dict[str, Any]) -> dict[str, Any]:
+    """Keywords in the order a validator should report them: the instance's type first, combinators
+    last (pydantic sorts keys alphabetically; the first error at a key path is the one a user sees)."""
+    head = [k for k in _FIRST if k in node]
+    tail = [k for k in _LAST if k in node]
+    mid = [k for k in node if k not in _FIRST and k not in _LAST]
+    return {k: node[k] for k in head + mid + tail}
 
 
 def _fold_null(node: dict[str, Any]) -> dict[str, Any]:
@@ -60,6 +73,10 @@ def _fold_null(node: dict[str, Any]) -> dict[str, Any]:
     (the same instances validate, X's other keywords ignore null) so that an error inside X names its
     own key path (``vskipper.quality.served.point``), not only the union's."""
     branches = node.get("anyOf")
+    if isinstance(branches, list) and branches and all(set(b) == {"type"} and isinstance(b["type"], str)
+                                                       for b in branches):
+        # a union of bare types (str | int): one type list, whose error names the types
+        return {**{k: v for k, v in node.items() if k != "anyOf"}, "type": [b["type"] for b in branches]}
     if not isinstance(branches, list) or len(branches) != 2 or {"type": "null"} not in branches:
         return node
     other = next(b for b in branches if b != {"type": "null"})
@@ -68,7 +85,7 @@ def _fold_null(node: dict[str, Any]) -> dict[str, Any]:
     rest = {k: v for k, v in node.items() if k != "anyOf"}
     out = {**other, **rest, "type": [other["type"], "null"]}
     if "enum" in out:  # enum constrains null too
-        out["enum"] = [*out["enum"], None]
+        out["enum"] = [None, *out["enum"]]
     return out
 
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..schema import TinyArch as _TinyArchSection
+
+#: the ``tiny_arch`` section's defaults (:class:`impl.schema.TinyArch`): the one source of the defaults below
+_A = _TinyArchSection()
+
 
 @dataclass(frozen=True)
 class TinyArch:
@@ -17,11 +22,11 @@ class TinyArch:
         max_position_embeddings: context length in tokens.
     """
 
-    num_layers: int = 12
-    hidden_size: int = 128
-    num_heads: int = 4
-    intermediate_size: int = 352
-    max_position_embeddings: int = 1024
+    num_layers: int = _A.num_layers
+    hidden_size: int = _A.hidden_size
+    num_heads: int = _A.num_heads
+    intermediate_size: int = _A.intermediate_size
+    max_position_embeddings: int = _A.max_position_embeddings
 
     def to_hf_config(self, vocab_size: int, eos_token_id: int):
         """A ``transformers.LlamaConfig`` with tied embeddings and the given vocabulary.

@@ -21,11 +21,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..schedule import lr_at
+from ..schema import Training
 
 from .depth import embed, readout_logits, run_layers
 from .tiny import TinyArch
 
 log = logging.getLogger("impl.models.train")
+
+
+#: the ``training`` section's defaults (:class:`impl.schema.Training`): the one source of the defaults below
+_T = Training()
 
 
 @dataclass(frozen=True)
@@ -42,16 +47,16 @@ class EarlyExit:
 class TrainConfig:
     """Training budget and optimiser (config section ``training``); times in steps, sizes in tokens."""
 
-    steps: int = 1000
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 3e-3
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_windows: int = 64
+    steps: int = _T.steps
+    batch_size: int = _T.batch_size
+    seq_len: int = _T.seq_len
+    lr: float = _T.lr
+    warmup_steps: int = _T.warmup_steps
+    weight_decay: float = _T.weight_decay
+    grad_clip: float = _T.grad_clip
+    eval_windows: int = _T.eval_windows
     seed: int = 1234
-    threads: int = 2
+    threads: int = _T.threads
     early_exit: EarlyExit = field(default_factory=EarlyExit)
 
 

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..schedule import lr_at
+from .schema import FlexiDepth as _FlexiDepthSection
 
 from .skipper import RowMeta, Skipper, register_skipper
 
@@ -607,6 +608,11 @@ def evaluate_flexidepth(model, skipper: FlexiDepthSkipper | None, windows, *, ba
 # ======================================================================================================
 # Training (stage 1)
 # ======================================================================================================
+#: the ``vskipper.flexidepth`` section's defaults (:class:`impl.vskipper.schema.FlexiDepth`): the one
+#: source of the training defaults below
+_F = _FlexiDepthSection()
+
+
 @dataclass(frozen=True)
 class FlexiDepthTrainConfig:
     """Stage-1 training of routers and adapters on a frozen backbone (FlexiDepth's first stage).
@@ -634,21 +640,21 @@ class FlexiDepthTrainConfig:
     """
 
     routed_layers: tuple[int, ...] | None = None
-    steps: int = 300
-    batch_size: int = 8
-    seq_len: int = 128
-    lr: float = 3e-3
+    steps: int = _F.steps
+    batch_size: int = _F.batch_size
+    seq_len: int = _F.seq_len
+    lr: float = _F.lr
     warmup_fraction: float = 0.05
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    skip_alpha: float = 0.03
+    skip_alpha: float = _F.skip_alpha
     threshold: float = 0.5
     router_reduction: int = 16
     adapter_reduction: int = 16
     init_logit: float = 2.0
     init_spread: float = 0.1
     adapter_init_scale: float = 0.0
-    eval_windows: int = 16
+    eval_windows: int = _F.eval_windows
     eval_batch: int = 8
     seed: int = 1234
     threads: int | None = None

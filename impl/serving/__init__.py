@@ -4,8 +4,10 @@ vSkipper experiments built on it live in :mod:`impl.vskipper` (``serving_command
 ``schema``, ``targets``, ``transfer``).
 
 - :mod:`.arrivals`: seeded Poisson arrival schedules at an absolute offered rate;
-- :mod:`.arms`: the arm interface; the in-process continuous-batching arm (transformers 5.24) and
-  the OpenAI ``/v1/completions`` streaming client arm;
+- :mod:`.engine`: the one driver of transformers' continuous-batching manager (5.24), shared by the
+  in-process arm and the vSkipper HTTP server;
+- :mod:`.arms`: the arm interface; the in-process continuous-batching arm and the OpenAI
+  ``/v1/completions`` streaming client arm;
 - :mod:`.fake`: a deterministic queueing arm on a virtual clock (tests, dry runs);
 - :mod:`.loadgen`: the open-loop load generator (no client concurrency cap, every request served to
   completion) and per-request records;
@@ -13,38 +15,62 @@ vSkipper experiments built on it live in :mod:`impl.vskipper` (``serving_command
 - :mod:`.knee`: the Q* rule and the 0.75 / 0.95 / 1.25 x Q* load points;
 - :mod:`.matched`: matched-work replay and its per-request gate, the natural lane;
 - :mod:`.protocol`: paired, order-alternating repetitions, percent-change summaries, JSONL rows;
+
+Names are exported lazily (PEP 562), as in the paper packages: importing the package imports no
+submodule (the engine driver imports torch), ``from impl.serving import X`` imports X's module.
 """
 
-from .arms import Arm, Clock, ContinuousBatchingArm, HTTPCompletionsArm, RealClock, Trace, WorkloadHint
-from .arrivals import ArrivalSchedule, poisson_arrivals
-from .fake import FakeArm, VirtualClock
-from .knee import LOAD_FACTORS, KneeResult, find_knee, knee_sweep, load_points
-from .loadgen import LoadResult, Request, RequestRecord, hint_for, requests_from_prompts, run_load
-from .matched import MatchedWorkError, check_matched, natural_requests, record_lengths, replay_requests
-from .metrics import cell_metrics, distribution, request_metrics
-from .protocol import (
-    COMPARED_METRICS,
-    CellError,
-    CellResult,
-    CellSpec,
-    arm_order,
-    cell_seed,
-    format_summary,
-    run_cell,
-    run_protocol,
-    schedule_seed,
-    stamp_rows,
-    summarize,
-)
+from __future__ import annotations
 
-__all__ = [
-    "Arm", "Clock", "RealClock", "Trace", "WorkloadHint", "ContinuousBatchingArm", "HTTPCompletionsArm",
-    "ArrivalSchedule", "poisson_arrivals",
-    "FakeArm", "VirtualClock",
-    "LOAD_FACTORS", "KneeResult", "find_knee", "knee_sweep", "load_points",
-    "LoadResult", "Request", "RequestRecord", "hint_for", "requests_from_prompts", "run_load",
-    "MatchedWorkError", "check_matched", "natural_requests", "record_lengths", "replay_requests",
-    "cell_metrics", "distribution", "request_metrics",
-    "COMPARED_METRICS", "CellError", "CellResult", "CellSpec", "arm_order", "cell_seed", "format_summary",
-    "run_cell", "run_protocol", "schedule_seed", "stamp_rows", "summarize",
-]
+from ..registry import lazy_exports
+
+#: exported name -> the submodule that defines it
+_EXPORTS = {
+    'Arm': '.arms',
+    'Clock': '.arms',
+    'ContinuousBatchingArm': '.inprocess',
+    'HTTPCompletionsArm': '.arms',
+    'RealClock': '.arms',
+    'Trace': '.arms',
+    'EngineDriver': '.engine',
+    'EngineError': '.engine',
+    'WorkloadHint': '.arms',
+    'ArrivalSchedule': '.arrivals',
+    'poisson_arrivals': '.arrivals',
+    'FakeArm': '.fake',
+    'VirtualClock': '.fake',
+    'LOAD_FACTORS': '.knee',
+    'KneeResult': '.knee',
+    'find_knee': '.knee',
+    'knee_sweep': '.knee',
+    'load_points': '.knee',
+    'LoadResult': '.loadgen',
+    'Request': '.loadgen',
+    'RequestRecord': '.loadgen',
+    'hint_for': '.loadgen',
+    'requests_from_prompts': '.loadgen',
+    'run_load': '.loadgen',
+    'MatchedWorkError': '.matched',
+    'check_matched': '.matched',
+    'natural_requests': '.matched',
+    'record_lengths': '.matched',
+    'replay_requests': '.matched',
+    'cell_metrics': '.metrics',
+    'distribution': '.metrics',
+    'request_metrics': '.metrics',
+    'COMPARED_METRICS': '.protocol',
+    'CellError': '.protocol',
+    'CellResult': '.protocol',
+    'CellSpec': '.protocol',
+    'arm_order': '.protocol',
+    'cell_seed': '.protocol',
+    'format_summary': '.protocol',
+    'run_cell': '.protocol',
+    'run_protocol': '.protocol',
+    'schedule_seed': '.protocol',
+    'stamp_rows': '.protocol',
+    'summarize': '.protocol',
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = list(_EXPORTS)

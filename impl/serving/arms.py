@@ -20,41 +20,21 @@ clock for arrivals and converts everything to offsets from the injection start.
 
 Arms here:
 
-* :class:`ContinuousBatchingArm` - in process, over transformers' continuous-batching manager
-  (``model.init_continuous_batching``), optionally in vSkipper's dense or routed mode;
+* :class:`impl.serving.inprocess.ContinuousBatchingArm` - in process, over transformers' continuous-batching
+  manager through the shared engine driver (:mod:`impl.serving.engine`), optionally in vSkipper's
+  dense or routed mode;
 * :class:`HTTPCompletionsArm` - a client of an OpenAI-compatible ``/v1/completions`` endpoint with
   streaming (e.g. ``transformers serve --continuous-batching``), see its docstring for what HTTP
   cannot give;
 * :class:`impl.serving.fake.FakeArm` - a deterministic queueing model on a virtual clock (tests).
-
-How the in-process arm gets per-token times from transformers 5.24
--------------------------------------------------------------------
-``manager.add_request(..., streaming=True, record_timestamps=True)``: the engine's generation
-thread appends ``time.perf_counter()`` to the request's ``_timestamps`` when it appends each
-generated token (``RequestState.update_and_check_completion``, called from
-``ContinuousBatchProcessor.update_batch`` after the batch's outputs reached the host - a blocking
-copy in synchronous batching, so on a GPU the stamp follows the device sync), the first token
-included (the scheduler sets DECODING before the batch that ends the prefill). With ``streaming``
-every update is delivered as a ``GenerationOutput`` (``generated_tokens``, ``timestamps``,
-``status``, ``error``, ``lifespan``) on the manager's output queue, which this arm drains in a
-consumer thread (``manager.get_result``). The engine stamps are used as the token times; they are
-on the same ``perf_counter`` clock as the arrival stamps. A soft reset (the engine re-queues a
-request whose cache it evicted, ``create_equivalent_initial_request``) restarts the timestamp list,
-so when the stamps do not cover every token the arm falls back to stamping the new tokens of each
-streamed update with that update's latest engine stamp (``timestamp_source = "stream"``).
-EOS: ``add_request(eos_token_id=-1)`` disables stopping (``RequestState`` keeps only
-non-negative ids; ``None`` would fall back to the generation config's EOS), so ignore-EOS requests
-generate exactly ``max_new_tokens`` tokens; a natural request stops at its EOS, which is counted as
-an output token (it is in ``generated_tokens``).
 """
 
 from __future__ import annotations
 
 import abc
 import copy
-import dataclasses
-import gc
 import json
+import math
 import threading
 import time
 import urllib.error
@@ -68,9 +48,24 @@ __all__ = [
     "WorkloadHint",
     "Trace",
     "Arm",
-    "ContinuousBatchingArm",
     "HTTPCompletionsArm",
+    "simple",
 ]
+
+
+def simple(value: Any) -> Any:
+    """A JSON-safe copy of ``value`` for result rows and stats: scalars kept (a non-finite float becomes
+    None), lists / tuples / sets as lists, mappings with string keys, anything else as its ``repr``."""
+    if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
+        return None
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple, set)):
+        return [simple(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): simple(v) for k, v in value.items()}
+    return repr(value)
+
 
 
 class Clock:
@@ -103,7 +98,7 @@ class RealClock(Clock):
 
 @dataclass(frozen=True)
 class WorkloadHint:
-    """What an arm may size its engine for (same for every arm of a cell).
+    """What an engine may size itself for (the same for every arm of a cell).
 
     Attributes:
         max_prompt_tokens: longest prompt, in tokens.
@@ -192,344 +187,6 @@ class Arm(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """The arm's declared settings, recorded in the cell rows (JSON-serialisable)."""
         return {"arm": self.name, "kind": type(self).__name__}
-
-
-def _resolve_eos(model, eos_token_id) -> int | list[int]:
-    if eos_token_id != "model":
-        return -1 if eos_token_id is None else eos_token_id
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        if eos is not None:
-            return eos
-    return -1
-
-
-def _simple(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_simple(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _simple(v) for k, v in value.items()}
-    return repr(value)
-
-
-class ContinuousBatchingArm(Arm):
-    """In-process arm over transformers' continuous-batching manager (module docstring).
-
-    Every :meth:`start` creates a fresh manager (``model.init_continuous_batching``) with greedy
-    decoding and the given engine configuration, starts its generation thread and a consumer thread,
-    and runs ``warmup_requests`` short requests to completion before returning; :meth:`stop` stops
-    and destroys the manager. Token times are the engine's ``perf_counter`` stamps.
-
-    Args:
-        model: a causal LM supporting ``init_continuous_batching``.
-        name: arm name used in result rows.
-        cb_config: a ``ContinuousBatchingConfig`` (copied per start; default: transformers' defaults).
-            Give every arm of a comparison the same one (vSkipper: ``impl.vskipper.routed_cb_config``).
-        eos_token_id: the natural lane's stop token(s): ``"model"`` (default: the model's generation
-            config, else its config), an int / list of ints, or None (no EOS).
-        mode: None (run the model as it is), ``"dense"`` (a bound model with every routed layer dense,
-            i.e. upstream on the same engine) or ``"routed"`` (the skipper decides per row); needs
-            ``binding``.
-        binding: with ``mode``, the engine binding of the bound model (vSkipper:
-            ``impl.vskipper.routed_context(model)``): an object with a ``dense_mode(flag)`` context
-            manager, a ``planner`` attribute (the per-batch planner, or None) and ``clear()`` (drop
-            per-run state). This module imports no method package: the method hands its binding in.
-        planner: with ``mode="routed"``, an optional per-batch mode planner (e.g.
-            :class:`impl.vskipper.mode.ModeController`) installed for the arm's lifetime. Its state
-            carries over from run to run: a :class:`~impl.vskipper.mode.ModeController` keys its
-            decisions by request id, and the ids repeat across repetitions, so use
-            ``planner_factory`` for the mode switch.
-        planner_factory: with ``mode="routed"``, a zero-argument callable returning a fresh planner;
-            called at every :meth:`start` *after* the warm-up (the warm-up runs with every row routed),
-            so each run starts with a fresh mode switch. The run's planner is ``self.planner`` until the
-            next start, and :meth:`describe` records its ``summary()`` when it has one.
-        streaming: deliver every token (default True; needed for exact times after a soft reset).
-        warmup_requests: requests run to completion inside :meth:`start` (default 1; 0 disables).
-        warmup_prompt: prompt token ids of the warm-up requests.
-        warmup_new_tokens: tokens each warm-up request generates.
-        stop_timeout_s: how long :meth:`stop` waits for the generation thread.
-        freeze_gc: after the warm-up, run a full garbage collection and ``gc.freeze()`` until
-            :meth:`stop` (default True), so that no full collection of the large heap a
-            torch/transformers process holds (~0.4 s here) stalls the engine thread mid-run.
-
-    Raises:
-        ValueError: for an unknown ``mode``, or ``mode`` set without a ``binding``.
-    """
-
-    def __init__(self, model, name: str = "upstream", *, cb_config=None, eos_token_id: Any = "model",
-                 mode: str | None = None, binding=None, planner=None, planner_factory=None, streaming: bool = True,
-                 warmup_requests: int = 1,
-                 warmup_prompt: Sequence[int] = (1, 2, 3, 4), warmup_new_tokens: int = 2,
-                 stop_timeout_s: float = 60.0, freeze_gc: bool = True):
-        if mode not in (None, "dense", "routed"):
-            raise ValueError(f"mode must be None, 'dense' or 'routed', got {mode!r}")
-        if (planner is not None or planner_factory is not None) and mode != "routed":
-            raise ValueError("a mode planner needs mode='routed'")
-        if planner is not None and planner_factory is not None:
-            raise ValueError("pass planner or planner_factory, not both")
-        self.model = model
-        self.name = str(name)
-        self.clock = RealClock()
-        self.cb_config = cb_config
-        self.eos_token_id = _resolve_eos(model, eos_token_id)
-        self.mode = mode
-        self.planner = planner
-        self.planner_factory = planner_factory
-        self.streaming = bool(streaming)
-        self.warmup_requests = int(warmup_requests)
-        self.warmup_prompt = [int(t) for t in warmup_prompt]
-        self.warmup_new_tokens = int(warmup_new_tokens)
-        self.stop_timeout_s = float(stop_timeout_s)
-        self.freeze_gc = bool(freeze_gc)
-        self._frozen = False
-        if mode is not None and binding is None:
-            raise ValueError(f"mode={mode!r} needs binding= (the bound model's engine binding, e.g. "
-                             "impl.vskipper.routed_context(model))")
-        self.binding = binding
-        self._manager = None
-        self._consumer: threading.Thread | None = None
-        self._cond = threading.Condition()
-        self._traces: dict[str, Trace] = {}
-        self._stopping = threading.Event()
-        self._dead: str | None = None
-        self._mode_cm = None
-        self._prev_planner = None
-        self._settings: dict[str, Any] = {}
-        self._runs = 0
-
-    # ----------------------------------------------------------------------------------- lifecycle
-    def _enter_mode(self) -> None:
-        if self.mode is None:
-            return
-        ctx = self.binding
-        self._mode_cm = ctx.dense_mode(self.mode == "dense")
-        self._mode_cm.__enter__()
-        if self.planner_factory is not None:  # the run's planner is installed after the warm-up
-            self._prev_planner, ctx.planner = ctx.planner, None
-        elif self.planner is not None:
-            self._prev_planner, ctx.planner = ctx.planner, self.planner
-
-    def _exit_mode(self) -> None:
-        if self._mode_cm is None:
-            return
-        ctx = self.binding
-        if self.planner is not None or self.planner_factory is not None:
-            ctx.planner = self._prev_planner
-        self._mode_cm.__exit__(None, None, None)
-        self._mode_cm = None
-        ctx.clear()
-
-    def start(self, hint: WorkloadHint | None = None) -> None:
-        """Create and start a fresh manager, then run the warm-up requests (excluded from timing).
-
-        Args:
-            hint: sizes passed to the engine as ``WorkloadHints`` (same for every arm of a cell).
-
-        Raises:
-            RuntimeError: if the arm is already started or a warm-up request fails.
-            ValueError: if the engine refuses the configuration (e.g. routed mode with async batching).
-        """
-        if self._manager is not None:
-            raise RuntimeError(f"arm {self.name!r} is already started")
-        from transformers import GenerationConfig
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-
-        from transformers import ContinuousBatchingConfig
-
-        max_new = hint.max_new_tokens if hint is not None else 16
-        gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(1, max_new, self.warmup_new_tokens),
-                                   eos_token_id=self.eos_token_id)
-        cb = ContinuousBatchingConfig() if self.cb_config is None else copy.deepcopy(self.cb_config)
-        hints = None
-        if hint is not None:
-            hints = WorkloadHints(max_prompt_length=max(hint.max_prompt_tokens, len(self.warmup_prompt)),
-                                  max_generated_length=max(hint.max_new_tokens, self.warmup_new_tokens),
-                                  num_requests=hint.num_requests)
-        self._enter_mode()
-        try:
-            with self._cond:
-                self._traces = {}
-                self._dead = None
-            self._stopping.clear()
-            self._manager = self.model.init_continuous_batching(
-                generation_config=gen_cfg, continuous_batching_config=cb, workload_hints=hints)
-            self._manager.start()
-            self._consumer = threading.Thread(target=self._consume, name=f"serving-arm-{self.name}", daemon=True)
-            self._consumer.start()
-            self._runs += 1
-            warm = [f"__warmup_{self._runs}_{i}__" for i in range(self.warmup_requests)]
-            for rid in warm:
-                self.submit(rid, self.warmup_prompt, self.warmup_new_tokens, ignore_eos=True)
-            if warm:
-                traces = self.wait(warm, timeout_s=max(60.0, self.stop_timeout_s))
-                bad = {r: t.error for r, t in traces.items() if t.error is not None}
-                if bad:
-                    raise RuntimeError(f"arm {self.name!r}: warm-up failed: {bad}")
-                with self._cond:
-                    for rid in warm:
-                        self._traces.pop(rid, None)
-            if self.planner_factory is not None:  # a fresh planner per run, installed after the warm-up
-                self.planner = self.planner_factory()
-                self.binding.planner = self.planner
-            resolved = self._manager.continuous_batching_config
-            self._settings = {f.name: _simple(getattr(resolved, f.name)) for f in dataclasses.fields(resolved)}
-            if self.freeze_gc:
-                gc.collect()
-                gc.freeze()
-                self._frozen = True
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        """Stop the manager (hard stop if requests are still pending), destroy it, join the consumer
-        thread and leave the vSkipper mode. Safe to call twice or when never started."""
-        mgr = self._manager
-        if mgr is None:
-            self._exit_mode()
-            return
-        with self._cond:
-            pending = any(not t.done for t in self._traces.values())
-        try:
-            if mgr.is_running():
-                mgr.stop(block=True, timeout=self.stop_timeout_s, hard_stop=pending)
-        finally:
-            try:
-                mgr.destroy()
-            finally:
-                self._stopping.set()
-                if self._consumer is not None:
-                    self._consumer.join(timeout=10)
-                self._consumer = None
-                self._manager = None
-                if self._frozen:
-                    gc.unfreeze()
-                    self._frozen = False
-                self._exit_mode()
-
-    # ------------------------------------------------------------------------------------ requests
-    def submit(self, request_id: str, input_ids: Sequence[int], max_new_tokens: int, ignore_eos: bool) -> None:
-        """Queue one request in the engine (``add_request`` with streaming and timestamps).
-
-        Raises:
-            RuntimeError: if the arm is not started.
-            ValueError: for a duplicated id, an empty prompt, ``max_new_tokens < 1``, or a prompt plus
-                ``max_new_tokens`` longer than the model's context (``max_position_embeddings``; the HTTP
-                server refuses the same request with a 400).
-        """
-        mgr = self._manager
-        if mgr is None:
-            raise RuntimeError(f"arm {self.name!r} is not started")
-        ids = [int(t) for t in input_ids]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: empty prompt")
-        n = int(max_new_tokens)
-        if n < 1:
-            raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens!r}")
-        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
-        ctx = getattr(cfg, "max_position_embeddings", None)
-        if ctx and len(ids) + n > int(ctx):
-            raise ValueError(f"request {request_id!r}: prompt ({len(ids)} tokens) + max_new_tokens ({n}) exceeds the "
-                             f"model's context length {ctx}")
-        rid = str(request_id)
-        with self._cond:
-            if rid in self._traces:
-                raise ValueError(f"duplicate request id {rid!r}")
-            self._traces[rid] = Trace(rid, prompt_tokens=len(ids), max_new_tokens=n)
-        eos = -1 if ignore_eos else self.eos_token_id
-        got = mgr.add_request(ids, request_id=rid, max_new_tokens=n, streaming=self.streaming,
-                              record_timestamps=True, eos_token_id=eos)
-        if got is None:
-            self._finish_error(rid, "the engine refused the request (manager stopping or not a TP driver)")
-
-    def _finish_error(self, rid: str, msg: str) -> None:
-        with self._cond:
-            tr = self._traces[rid]
-            if not tr.done:
-                tr.error, tr.done = msg, True
-            self._cond.notify_all()
-
-    def _consume(self) -> None:
-        mgr = self._manager
-        while True:
-            out = mgr.get_result(timeout=0.05)
-            if out is not None:
-                self._on_output(out, time.perf_counter())
-                continue
-            if self._stopping.is_set() and mgr.output_router.output_queue.empty():
-                return
-            if not mgr.is_running() and mgr.output_router.output_queue.empty():
-                fatal = mgr.background_thread_status.fatal_error
-                with self._cond:
-                    self._dead = f"generation thread stopped ({fatal!r})" if fatal is not None else "generation thread stopped"
-                    self._cond.notify_all()
-                if self._stopping.wait(0.05):
-                    return
-
-    def _on_output(self, out, recv: float) -> None:
-        with self._cond:
-            tr = self._traces.get(out.request_id)
-            if tr is None or tr.done:
-                return
-            ids = [int(t) for t in out.generated_tokens]
-            stamps = out.timestamps
-            if stamps is not None and len(stamps) == len(ids):
-                tr.token_times = [float(s) for s in stamps]
-                tr.timestamp_source = "engine"
-            else:
-                new = len(ids) - len(tr.token_times)
-                if new > 0:
-                    stamp = float(stamps[-1]) if stamps else recv
-                    tr.token_times.extend([stamp] * new)
-                tr.timestamp_source = "stream"
-            tr.token_ids = ids
-            tr.output_tokens = len(ids)
-            if out.is_finished():
-                tr.done = True
-                tr.error = out.error
-                tr.prompt_tokens = len(out.prompt_ids) if out.prompt_ids is not None else tr.prompt_tokens
-                if out.error is None:
-                    tr.finish_time = tr.token_times[-1] if tr.token_times else (
-                        float(out.lifespan[1]) if out.lifespan[1] > 0 else recv)
-                    tr.finish_reason = "length" if len(ids) >= (tr.max_new_tokens or 0) else "stop"
-                self._cond.notify_all()
-
-    def wait(self, request_ids: Sequence[str], timeout_s: float) -> dict[str, Trace]:
-        """Block until every listed request finished or failed (or ``timeout_s`` seconds passed, or
-        the generation thread died). Returns copies of the traces; unfinished ones get an error.
-
-        Raises:
-            KeyError: for an id that was never submitted.
-        """
-        ids = [str(r) for r in request_ids]
-        with self._cond:
-            missing = [r for r in ids if r not in self._traces]
-            if missing:
-                raise KeyError(f"never submitted to arm {self.name!r}: {missing[:10]}")
-            self._cond.wait_for(lambda: self._dead is not None or all(self._traces[r].done for r in ids),
-                                timeout=timeout_s)
-            out = {}
-            for r in ids:
-                tr = copy.deepcopy(self._traces[r])
-                if not tr.done:
-                    tr.error = self._dead or f"not finished within {timeout_s:.1f} s"
-                out[r] = tr
-            return out
-
-    def describe(self) -> dict[str, Any]:
-        """Declared settings: arm name, mode, EOS, streaming, the engine's resolved
-        ``ContinuousBatchingConfig`` fields (after the last :meth:`start`) and, when the run's planner
-        has a ``summary()`` (the mode switch), its ``planner_summary`` (decisions and row counts of the
-        last run)."""
-        return {"arm": self.name, "kind": type(self).__name__, "mode": self.mode,
-                "planner": None if self.planner is None else type(self.planner).__name__,
-                **({"planner_summary": _simple(self.planner.summary())}
-                   if callable(getattr(self.planner, "summary", None)) else {}),
-                "eos_token_id": _simple(self.eos_token_id), "streaming": self.streaming,
-                "warmup_requests": self.warmup_requests, "freeze_gc": self.freeze_gc,
-                "cb_config": dict(self._settings)}
 
 
 class HTTPCompletionsArm(Arm):
@@ -726,4 +383,4 @@ class HTTPCompletionsArm(Arm):
     def describe(self) -> dict[str, Any]:
         """Declared settings: endpoint, model, ignore-EOS route, extra body fields."""
         return {"arm": self.name, "kind": type(self).__name__, "endpoint": f"{self.base_url}/v1/completions",
-                "model": self.model, "ignore_eos_via": self.ignore_eos_via, "extra_body": _simple(self.extra_body)}
+                "model": self.model, "ignore_eos_via": self.ignore_eos_via, "extra_body": simple(self.extra_body)}

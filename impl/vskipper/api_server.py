@@ -72,7 +72,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..provenance import strict_json
 from . import protocol as P
-from .driver import CompletionEngine, EngineError, LiveRequest, TextAssembler, TokenEvent
+from ..serving.engine import EngineError, LiveRequest, TokenEvent
+from .driver import CompletionEngine, TextAssembler
 
 __all__ = ["CompletionServer", "build_app", "make_server"]
 
@@ -373,7 +374,7 @@ async def _pieces(engine: CompletionEngine, live: LiveRequest, s: Sampling
 
 
 def _vsk(engine: CompletionEngine, live: LiveRequest) -> P.VSkipperInfo:
-    return P.VSkipperInfo(request_id=live.rid, arm=engine.arm, **(live.modes or {}))
+    return P.VSkipperInfo(request_id=live.rid, arm=engine.arm, **(live.info or {}))
 
 
 def _completion_logprobs(engine: CompletionEngine, events: Sequence[TokenEvent], offsets: Sequence[int]

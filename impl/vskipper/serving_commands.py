@@ -283,7 +283,7 @@ def cmd_knee(args) -> None:
     """Q* sweep on the upstream arm (natural generation) -> JSON with rows, status and load points."""
     from impl.provenance import write_json
 
-    from impl.serving.arms import ContinuousBatchingArm
+    from impl.serving.inprocess import ContinuousBatchingArm
     from impl.serving.knee import knee_sweep, load_points
     from impl.serving.protocol import cell_seed
 
@@ -330,7 +330,7 @@ def build_served_arms(model, skipper, switch, names, cb) -> dict:
     Returns:
         ``{name: ContinuousBatchingArm}``, upstream first.
     """
-    from impl.serving.arms import ContinuousBatchingArm
+    from impl.serving.inprocess import ContinuousBatchingArm
     from impl.vskipper import bind_skipper, routed_context
     from impl.vskipper.mode import ModeController
 
@@ -415,7 +415,7 @@ def cmd_serve_cell(args) -> None:
 def cmd_randomskip_map(args) -> None:
     """Fig. 3: the r x d RandomSkip grid under three switch settings against upstream -> JSONL rows."""
     from impl.provenance import write_jsonl
-    from impl.serving.arms import ContinuousBatchingArm
+    from impl.serving.inprocess import ContinuousBatchingArm
     from impl.vskipper import RandomSkip, bind_skipper, routed_context
     from impl.vskipper.mode import ModeController, ModeSwitch
     from impl.serving.matched import MatchedWorkError

@@ -30,6 +30,7 @@ from impl.vskipper.quality_served import (  # noqa: E402
     served_summary,
 )
 from impl.serving.arrivals import poisson_arrivals  # noqa: E402
+from impl.vskipper.schema import Engine  # noqa: E402
 from conftest import save_wide_llama
 
 
@@ -202,7 +203,7 @@ def quality_run(tmp_path_factory, tiny_tokenizer, data_dir):
     return {"root": root, "model": root / "model", "skipper": skipper, "opts": opts, "runs": runs}
 
 
-ENGINE = {"page_size": 16, "num_blocks": None, "max_batch_tokens": 256, "max_requests_per_batch": 4}
+ENGINE = Engine(page_size=16, num_blocks=None, max_batch_tokens=256, max_requests_per_batch=4)
 PADS = [{"id": f"p{i}", "input_ids": list(range(5 + i, 25 + i))} for i in range(3)]
 
 

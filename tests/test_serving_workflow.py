@@ -105,13 +105,14 @@ def test_knee_outcome_ok_top_bottom():
 
 def test_cb_config_sizes_the_cache_for_the_run():
     from impl.serving import Request
+    from impl.vskipper.schema import Engine
     from impl.vskipper.serving_commands import cb_config_for
 
     reqs = [Request(f"r{i}", tuple(range(1, 21)), 12) for i in range(5)]  # 33 tokens -> 3 pages of 16
-    cb = cb_config_for({"page_size": 16, "num_blocks": None, "max_batch_tokens": 64, "max_requests_per_batch": 8}, reqs)
+    cb = cb_config_for(Engine(page_size=16, num_blocks=None, max_batch_tokens=64, max_requests_per_batch=8), reqs)
     assert (cb.page_size, cb.num_blocks, cb.max_batch_tokens, cb.max_requests_per_batch) == (16, 5 * 3 + 4, 64, 8)
     assert cb.use_async_batching is False and cb.allow_block_sharing is False
-    cb = cb_config_for({"page_size": 16, "num_blocks": 7, "max_batch_tokens": 64, "max_requests_per_batch": 8}, reqs)
+    cb = cb_config_for(Engine(page_size=16, num_blocks=7, max_batch_tokens=64, max_requests_per_batch=8), reqs)
     assert cb.num_blocks == 7
 
 

@@ -14,6 +14,7 @@ import torch
 
 from impl.vskipper import http_check as hc
 from impl.vskipper.http_check import ARMS, CHECKS, COLUMNS, check_arms, in_process_reference, write_outputs
+from impl.vskipper.schema import Engine
 from conftest import save_wide_llama
 
 SPEC = "randomskip:r=0.6,d=0.5,seed=3"
@@ -51,7 +52,7 @@ def prompts_file(tmp_path_factory, tiny_tokenizer):
 
 
 def _run(model_dir, prompts_file, **kw):
-    base = dict(skipper_spec=SPEC, prompts=prompts_file, n_prompts=2, max_tokens=NEW, engine=ENGINE, label="tiny")
+    base = dict(skipper_spec=SPEC, prompts=prompts_file, n_prompts=2, max_tokens=NEW, engine=Engine(**ENGINE), label="tiny")
     return check_arms(model_dir, **{**base, **kw})
 
 

@@ -139,29 +139,33 @@ def cmd_vskipper_http_check(args) -> None:
     set_threads(cfg)
     for name in ("ContinuousBatchingLogger", "lm_eval", "lm-eval"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    v = (cfg.get("vskipper") or {}) if isinstance(cfg, dict) else {}
-    rs = v.get("randomskip") or {}
-    q = v.get("quality") or {}
+    from .schema import RandomSkipMap, VskipperSection
+
+    v = VskipperSection.model_validate(cfg["vskipper"]) if isinstance(cfg, dict) and cfg.get("vskipper") else None
+    rs = v.randomskip if v is not None else RandomSkipMap()
+    q = v.quality if v is not None else None
+    engine = v.engine if v is not None else None
     if args.skipper:
         specs = list(args.skipper)
     else:
-        rd = f"r={args.r},d={args.d},seed={int(rs.get('seed', 0))},layer_choice={rs.get('layer_choice', 'per_row')}"
+        rd = f"r={args.r},d={args.d},seed={rs.seed},layer_choice={rs.layer_choice}"
         specs = default_skipper_specs(args.flexidepth, rd)
         if args.flexidepth and not specs[0].startswith("flexidepth:"):
             raise SystemExit(f"error: --flexidepth {args.flexidepth} is not a FlexiDepth checkpoint "
                              "(no flexidepth.json)")
         if args.also_randomskip and specs[0].startswith("flexidepth:"):
             specs.append(f"randomskip:{rd}")
-    num_fewshot = args.num_fewshot if args.num_fewshot is not None else q.get("gsm8k_num_fewshot")
-    max_gen = args.max_gen_toks or (q.get("max_gen_toks") or {}).get("gsm8k") or 32
+    num_fewshot = args.num_fewshot if args.num_fewshot is not None else (q.gsm8k_num_fewshot if q else None)
+    max_gen = args.max_gen_toks or (q.max_gen_toks.gsm8k if q else None) or 32
     settings = dict(model_dir=str(args.model_dir), prompts=str(args.prompts), arms=list(args.arms or ARMS),
                     skippers=specs, n_prompts=args.n_prompts, max_tokens=args.max_tokens, limit=args.limit,
                     num_fewshot=num_fewshot, max_gen_toks=int(max_gen), checks=list(args.checks or CHECKS),
-                    hybrid_switch=HYBRID_SWITCH, engine=v.get("engine"), data_dir=str(cfg["data_dir"]))
+                    hybrid_switch=HYBRID_SWITCH, engine=None if engine is None else engine.model_dump(),
+                    data_dir=str(cfg["data_dir"]))
     t0 = time.perf_counter()
     rows = check_arms(args.model_dir, settings["arms"], specs, args.prompts, n_prompts=args.n_prompts,
                       max_tokens=args.max_tokens, data_dir=cfg["data_dir"], limit=args.limit, num_fewshot=num_fewshot,
-                      max_gen_toks=int(max_gen), engine=v.get("engine"), label=args.label, dtype=cfg["dtype"],
+                      max_gen_toks=int(max_gen), engine=engine, label=args.label, dtype=cfg["dtype"],
                       device=cfg["device"], seed=int(cfg["seed"]), checks=settings["checks"])
     wall = time.perf_counter() - t0
     prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])

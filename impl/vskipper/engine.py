@@ -28,13 +28,15 @@ for request-dependent policies, prefix-block sharing (DESIGN.md, last section).
 from __future__ import annotations
 
 import copy
+import math
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+from .schema import Engine
 from .routed import RowContext, install_routed_layers, remove_routed_layers, routed_context
 from .skipper import RowMeta, Skipper, validate_skipper
 
@@ -218,6 +220,26 @@ def routed_cb_config(**overrides) -> ContinuousBatchingConfig:
     )
     base.update(overrides)
     return ContinuousBatchingConfig(**base)
+
+
+def sized_cb_config(engine: Engine, lengths: Iterable[int]) -> ContinuousBatchingConfig:
+    """:func:`routed_cb_config` with the sizes of a typed ``vskipper.engine`` section
+    (:class:`impl.vskipper.schema.Engine`), the one engine configuration every arm of a comparison shares.
+
+    ``num_blocks: null`` sizes the paged cache to hold every listed request at once: ``ceil((n + 1) /
+    page_size)`` pages for a request of ``n`` tokens (prompt + generation budget), plus 4 pages of
+    headroom, so no request is evicted (the engine's own default sizes the cache from free memory:
+    seconds of zero-filling per start on CPU).
+
+    Args:
+        engine: page size [tokens], ``num_blocks`` (None: sized as above), ``max_batch_tokens``,
+            ``max_requests_per_batch``.
+        lengths: tokens per request (prompt + generation budget) the cache must hold at once.
+    """
+    page = engine.page_size
+    blocks = engine.num_blocks or sum(math.ceil((int(n) + 1) / page) for n in lengths) + 4
+    return routed_cb_config(page_size=page, num_blocks=int(blocks), max_batch_tokens=engine.max_batch_tokens,
+                            max_requests_per_batch=engine.max_requests_per_batch)
 
 
 @torch.no_grad()

@@ -67,6 +67,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from .schema import Engine
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -139,16 +141,16 @@ def default_skipper_specs(flexidepth: str | os.PathLike | None = None,
     return [f"randomskip:{randomskip}"]
 
 
-def _cb_overrides(model_dir: Path, engine: Mapping[str, Any] | None, n_prompts: int) -> tuple[dict, int]:
-    """Engine settings shared by the served arm and its reference (``vskipper.engine`` sizes); a
-    ``num_blocks`` of None sizes the paged cache for ``n_prompts`` full-context requests + 4 pages.
-    Returns ``(overrides, max_model_len)``."""
+def _cb_overrides(model_dir: Path, engine: Engine | None, n_prompts: int) -> tuple[dict, int]:
+    """Engine settings shared by the served arm and its reference (the typed ``vskipper.engine``
+    section; None: transformers' defaults but for the page size, 64); a ``num_blocks`` of None sizes the
+    paged cache for ``n_prompts`` full-context requests + 4 pages. Returns ``(overrides, max_model_len)``."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     ctx = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
-    eng = {k: v for k, v in dict(engine or {}).items() if v is not None}
+    eng = {} if engine is None else engine.model_dump(exclude_none=True)
     page = int(eng.get("page_size", 64))
     eng["page_size"] = page
     eng.setdefault("num_blocks", max(1, int(n_prompts)) * math.ceil((ctx + 1) / page) + 4)
@@ -481,7 +483,7 @@ def check_arms(
     num_fewshot: int | None = None,
     max_gen_toks: int = 32,
     switch: Mapping[str, Any] | None = None,
-    engine: Mapping[str, Any] | None = None,
+    engine: Engine | None = None,
     label: str | None = None,
     dtype: str = "float32",
     device: str = "cpu",
@@ -508,9 +510,9 @@ def check_arms(
         num_fewshot: GSM8K few-shot examples (None: the task's 5).
         max_gen_toks: lm-eval's generation budget per document, tokens.
         switch: ``ModeSwitch`` fields of the hybrid arm (default :data:`HYBRID_SWITCH`).
-        engine: :func:`~impl.vskipper.engine.routed_cb_config` sizes (``vskipper.engine``: ``page_size``,
+        engine: the typed ``vskipper.engine`` section (:class:`~impl.vskipper.schema.Engine`: ``page_size``,
             ``num_blocks``, ``max_batch_tokens``, ``max_requests_per_batch``), the same for every arm and
-            the reference.
+            the reference (None: transformers' defaults, page size 64).
         label: the ``model`` column (default: the directory's name; also the served model name).
         dtype, device: where the model runs.
         seed: lm-eval's seeds.

@@ -60,6 +60,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .schema import Engine
+
 __all__ = [
     "SERVED_ARMS",
     "StreamRequest",
@@ -242,24 +244,13 @@ def build_stream(docs: Sequence[StreamRequest], pad_prompts: Iterable[Mapping[st
     return [allreq[int(i)] for i in order]
 
 
-def stream_cb_config(engine: Mapping[str, Any], stream: Sequence[StreamRequest]):
-    """The engine configuration of both served arms: ``vskipper.engine``'s sizes; ``num_blocks: null``
-    sizes the paged cache for every request of the stream at once (prompt + budget + 1 tokens each, in
-    pages of ``page_size``, plus 4 pages), so no request is evicted.
+def stream_cb_config(engine: Engine, stream: Sequence[StreamRequest]):
+    """The engine configuration of both served arms: the cache of
+    :func:`impl.vskipper.engine.sized_cb_config` holds every request of the stream at once (prompt +
+    budget tokens each), so no request is evicted."""
+    from impl.vskipper.engine import sized_cb_config
 
-    Raises:
-        KeyError: naming a missing ``vskipper.engine`` key.
-    """
-    from impl.vskipper.engine import routed_cb_config
-
-    for k in ("page_size", "max_batch_tokens", "max_requests_per_batch"):
-        if k not in engine:
-            raise KeyError(f"vskipper.engine.{k} is required")
-    page = int(engine["page_size"])
-    blocks = engine.get("num_blocks") or sum(math.ceil((len(r.prompt_ids) + r.max_tokens + 1) / page)
-                                             for r in stream) + 4
-    return routed_cb_config(page_size=page, num_blocks=int(blocks), max_batch_tokens=int(engine["max_batch_tokens"]),
-                            max_requests_per_batch=int(engine["max_requests_per_batch"]))
+    return sized_cb_config(engine, (len(r.prompt_ids) + r.max_tokens for r in stream))
 
 
 # ----------------------------------------------------------------------------------------- the load
@@ -496,7 +487,7 @@ def run_served_knee(
     seed: int = 1234,
     device: str = "cpu",
     dtype: str = "float32",
-    engine: Mapping[str, Any] | None = None,
+    engine: Engine | None = None,
     timeout_s: float = 600.0,
     arms: Sequence[str] = SERVED_ARMS,
     extra: Mapping[str, Any] | None = None,
@@ -522,8 +513,8 @@ def run_served_knee(
         seed: run seed; the order and schedule seeds derive from it and the suite
             (:func:`impl.serving.protocol.cell_seed`).
         device, dtype: where the served model runs.
-        engine: ``vskipper.engine`` sizes (:func:`stream_cb_config`); default: page 64, 2048 batch tokens,
-            64 requests per batch.
+        engine: the typed ``vskipper.engine`` section (:func:`stream_cb_config`); default: its defaults
+            (page 64, 2048 batch tokens, 64 requests per batch).
         timeout_s: per-request timeout, seconds.
         arms: served arms, first the treatment, then the reference (default hybrid, always-route).
         extra: fields stamped on every row (e.g. the knee: point, factor, rate, workload, status).
@@ -569,7 +560,7 @@ def run_served_knee(
     opts = options or TaskOptions()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    eng = dict(engine or {"page_size": 64, "num_blocks": None, "max_batch_tokens": 2048, "max_requests_per_batch": 64})
+    eng = engine if engine is not None else Engine()
     stream = build_stream(docs, pad_prompts, n_requests=n_requests, pad_max_tokens=pad_max_tokens,
                           seed=cell_seed(seed, suite, "quality-served-order"))
     if len(stream) < 2:

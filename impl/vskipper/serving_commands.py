@@ -55,6 +55,7 @@ import math
 from pathlib import Path
 
 from ..argtypes import positive_int
+from .schema import Engine, Quality, vskipper_section
 
 log = logging.getLogger("impl.serving")
 
@@ -65,12 +66,6 @@ __all__ = ["register", "cb_config_for", "knee_outcome", "build_served_arms", "qu
 SERVED, UPSTREAM = "vskipper", "upstream"
 #: the three switch settings of the RandomSkip map (Fig. 3 a, b, c)
 MAP_SETTINGS = ("always-route", "shared", "per-policy")
-
-
-def _vsk(cfg: dict) -> dict:
-    if "vskipper" not in cfg:
-        raise SystemExit("error: the config has no 'vskipper' section")
-    return cfg["vskipper"]
 
 
 def _cfg_threads(args) -> dict:
@@ -88,25 +83,18 @@ def _read_json(path) -> dict:
     return json.loads(p.read_text(encoding="utf-8"))
 
 
-def cb_config_for(engine: dict, requests) -> object:
-    """The continuous-batching configuration every arm of a comparison shares
-    (:func:`impl.vskipper.engine.routed_cb_config` with ``vskipper.engine``'s sizes).
-
-    ``num_blocks: null`` sizes the paged cache for every request of the run at once (prompt +
-    ``max_new_tokens`` + 1 tokens each, in pages of ``page_size``) plus 4 pages of headroom, so no run
-    evicts (the engine's default sizes the cache from memory: seconds of zero-filling per start on CPU).
+def cb_config_for(engine: Engine, requests) -> object:
+    """The continuous-batching configuration every arm of a serving comparison shares: the cache of
+    :func:`impl.vskipper.engine.sized_cb_config` holds every request of the run at once (prompt +
+    ``max_new_tokens`` tokens each).
 
     Args:
-        engine: the ``vskipper.engine`` mapping.
+        engine: the typed ``vskipper.engine`` section.
         requests: the run's :class:`~impl.serving.loadgen.Request` list.
     """
-    from impl.vskipper.engine import routed_cb_config
+    from impl.vskipper.engine import sized_cb_config
 
-    page = int(engine["page_size"])
-    blocks = engine.get("num_blocks") or sum(
-        math.ceil((len(r.input_ids) + r.max_new_tokens + 1) / page) for r in requests) + 4
-    return routed_cb_config(page_size=page, num_blocks=int(blocks), max_batch_tokens=int(engine["max_batch_tokens"]),
-                            max_requests_per_batch=int(engine["max_requests_per_batch"]))
+    return sized_cb_config(engine, (len(r.input_ids) + r.max_new_tokens for r in requests))
 
 
 def _requests(v: dict, prompts: str, n: int | None):
@@ -114,7 +102,7 @@ def _requests(v: dict, prompts: str, n: int | None):
 
     from impl.serving.loadgen import requests_from_prompts
 
-    return requests_from_prompts(read_jsonl(prompts), v["max_new_tokens"], n=n or v["requests"])
+    return requests_from_prompts(read_jsonl(prompts), v.max_new_tokens, n=n or v.requests)
 
 
 def _load_model(cfg: dict, model_dir: str):
@@ -146,30 +134,30 @@ def cmd_train_flexidepth(args) -> None:
     from impl.vskipper.flexidepth import FlexiDepthTrainConfig, train_flexidepth
 
     cfg = _cfg_threads(args)
-    v = _vsk(cfg)
-    f = v["flexidepth"]
+    v = vskipper_section(cfg)
+    f = v.flexidepth
     model = _load_model(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
-    train, val = sharegpt_tokens(cfg["data_dir"], tok, f["max_chars"])
-    tcfg = FlexiDepthTrainConfig(routed_layers=f["routed_layers"], steps=f["steps"], batch_size=f["batch_size"],
-                                 seq_len=f["seq_len"], lr=f["lr"], skip_alpha=f["skip_alpha"], seed=cfg["seed"],
-                                 threads=f["threads"], eval_windows=f["eval_windows"],
-                                 log_every=max(1, min(25, f["steps"] // 4)))
-    n_val = f["eval_windows"] * f["seq_len"]
+    train, val = sharegpt_tokens(cfg["data_dir"], tok, f.max_chars)
+    tcfg = FlexiDepthTrainConfig(routed_layers=f.routed_layers, steps=f.steps, batch_size=f.batch_size,
+                                 seq_len=f.seq_len, lr=f.lr, skip_alpha=f.skip_alpha, seed=cfg["seed"],
+                                 threads=f.threads, eval_windows=f.eval_windows,
+                                 log_every=max(1, min(25, f.steps // 4)))
+    n_val = f.eval_windows * f.seq_len
     if len(val) < n_val:
         raise ValueError(f"held-out ShareGPT text gives {len(val)} tokens, fewer than vskipper.flexidepth.eval_windows "
                          f"x seq_len = {n_val}; raise vskipper.flexidepth.max_chars")
     with torch.enable_grad():
         skipper, summary = train_flexidepth(model, train, tcfg, val_windows=val[:n_val], progress=not args.quiet)
     cfg_model = model.config
-    summary.update(model=v["model"], model_dir=str(args.model_dir), data="sharegpt",
+    summary.update(model=v.model, model_dir=str(args.model_dir), data="sharegpt",
                    train_tokens_available=int(len(train)), checkpoint=str(args.out), **_prov(cfg))
     extra = {"base_model": str(args.model_dir), "num_hidden_layers": int(cfg_model.num_hidden_layers),
              "model_type": getattr(cfg_model, "model_type", None), "train": summary}
     with atomic_path(args.out) as tmp:
         skipper.save(tmp, extra=extra)
     write_json(args.summary, summary)
-    log.info("flexidepth on %s: held-out skip ratio %.3f, LM loss %.3f (dense %.3f) in %.0f s", v["model"],
+    log.info("flexidepth on %s: held-out skip ratio %.3f, LM loss %.3f (dense %.3f) in %.0f s", v.model,
              summary["eval_skip_ratio"], summary["eval_lm_loss"], summary["eval_dense_lm_loss"], summary["seconds"])
 
 
@@ -194,35 +182,35 @@ def cmd_profile_mode(args) -> None:
     from impl.vskipper.mode import ModeSwitch, derive_thresholds, profile_routed_cost
 
     cfg = _cfg_threads(args)
-    v = _vsk(cfg)
-    p = v["profile"]
+    v = vskipper_section(cfg)
+    p = v.profile
     model = _load_model(cfg, args.model_dir)
     flexi = _load_skipper(args.flexidepth, model)
     layers = list(flexi.routed_layers)
-    out: dict = {"policy": args.policy, "model": v["model"], "checkpoint": str(args.flexidepth),
+    out: dict = {"policy": args.policy, "model": v.model, "checkpoint": str(args.flexidepth),
                  "routed_layers": layers}
-    derive = dict(share_slack=p["share_slack"], margin=p["margin"], probe_every=p["probe_every"])
+    derive = dict(share_slack=p.share_slack, margin=p.margin, probe_every=p.probe_every)
     if args.policy == "flexidepth":
         if not args.prompts:
             raise SystemExit("error: --policy flexidepth needs --prompts (its share is measured on them)")
         skipper = flexi
-        reqs = _requests(v, args.prompts, None)[: p["share_prompts"]]
+        reqs = _requests(v, args.prompts, None)[: p.share_prompts]
         bind_skipper(model, skipper)
-        share = _measure_share(model, [list(r.input_ids) for r in reqs], v["max_new_tokens"],
-                               cb_config_for(v["engine"], reqs))
+        share = _measure_share(model, [list(r.input_ids) for r in reqs], v.max_new_tokens,
+                               cb_config_for(v.engine, reqs))
         bad = [k for k, s in share.items() if not math.isfinite(s)]
         if bad:
             raise ValueError(f"no {bad} rows were routed while measuring the share")
-        out["share"] = {**share, "prompts": len(reqs), "max_new_tokens": v["max_new_tokens"],
+        out["share"] = {**share, "prompts": len(reqs), "max_new_tokens": v.max_new_tokens,
                         "method": "always-route generation through the engine on the first prompts of the load "
                                   "workload; Project-Only share of (row, routed layer) pairs per phase"}
     else:  # RandomSkip: the hash cost does not depend on (r, d); one profile serves the whole grid
-        rs = v["randomskip"]
-        skipper = RandomSkip(layers, r=0.5, d=0.5, seed=rs["seed"], layer_choice=rs["layer_choice"])
+        rs = v.randomskip
+        skipper = RandomSkip(layers, r=0.5, d=0.5, seed=rs.seed, layer_choice=rs.layer_choice)
         bind_skipper(model, skipper)
-    profile = profile_routed_cost(model, skipper, prefill_tokens=p["prefill_tokens"],
-                                  prefill_prompt_len=p["prefill_prompt_len"], decode_requests=p["decode_requests"],
-                                  decode_context=p["decode_context"], repeats=p["repeats"], seed=cfg["seed"])
+    profile = profile_routed_cost(model, skipper, prefill_tokens=p.prefill_tokens,
+                                  prefill_prompt_len=p.prefill_prompt_len, decode_requests=p.decode_requests,
+                                  decode_context=p.decode_context, repeats=p.repeats, seed=cfg["seed"])
     unbind_skipper(model)
     out["profile"] = profile
     if args.policy == "flexidepth":
@@ -232,9 +220,9 @@ def cmd_profile_mode(args) -> None:
         out["switch"] = ModeSwitch.from_thresholds(thr).to_dict()
     else:
         grid = []
-        for r in rs["r"]:
-            for d in rs["d"]:
-                sk = RandomSkip(layers, r=r, d=d, seed=rs["seed"], layer_choice=rs["layer_choice"])
+        for r in rs.r:
+            for d in rs.d:
+                sk = RandomSkip(layers, r=r, d=d, seed=rs.seed, layer_choice=rs.layer_choice)
                 thr = derive_thresholds(profile, sk.skip_ratio, **derive)
                 grid.append({"r": r, "d": d, "k": sk.k, "share": sk.skip_ratio, "thresholds": thr,
                              "switch": ModeSwitch.from_thresholds(thr).to_dict()})
@@ -288,26 +276,26 @@ def cmd_knee(args) -> None:
     from impl.serving.protocol import cell_seed
 
     cfg = _cfg_threads(args)
-    v = _vsk(cfg)
-    kn = v["knee"]
+    v = vskipper_section(cfg)
+    kn = v.knee
     model = _load_model(cfg, args.model_dir)
-    reqs = _requests(v, args.prompts, kn["requests"])
-    arm = ContinuousBatchingArm(model, UPSTREAM, cb_config=cb_config_for(v["engine"], reqs))
+    reqs = _requests(v, args.prompts, kn.requests)
+    arm = ContinuousBatchingArm(model, UPSTREAM, cb_config=cb_config_for(v.engine, reqs))
     seed = cell_seed(cfg["seed"], args.workload, "knee-sweep")
     rows = []
     try:
-        _, rows = knee_sweep(arm, reqs, kn["rates"], seed=seed, eps=kn["eps"], timeout_s=v["timeout_s"],
+        _, rows = knee_sweep(arm, reqs, kn.rates, seed=seed, eps=kn.eps, timeout_s=v.timeout_s,
                              on_point=lambda r: log.info("knee %s: %.4g req/s -> TPS %.2f, E2E %.3f s", args.workload,
                                                          r["rate"], r["tps_window"], r["e2e_mean_s"]))
     except ValueError as e:  # a knee on a boundary rung: the rows are measured, the outcome is below
         rows = getattr(e, "rows", None)
         if rows is None:
             raise
-    outcome = knee_outcome([r["rate"] for r in rows], [r["tps_window"] for r in rows], kn["eps"])
-    out = {"workload": args.workload, "model": v["model"], "requests": len(reqs), "max_new_tokens": v["max_new_tokens"],
-           "rates": list(kn["rates"]), "eps": kn["eps"], "schedule_seed": seed, "on_boundary": kn["on_boundary"],
-           **outcome, "load_points": load_points(outcome["q_star_used"], v["load_points"]),
-           "load_factors": dict(v["load_points"]), "rows": rows, **_prov(cfg)}
+    outcome = knee_outcome([r["rate"] for r in rows], [r["tps_window"] for r in rows], kn.eps)
+    out = {"workload": args.workload, "model": v.model, "requests": len(reqs), "max_new_tokens": v.max_new_tokens,
+           "rates": list(kn.rates), "eps": kn.eps, "schedule_seed": seed, "on_boundary": kn.on_boundary,
+           **outcome, "load_points": load_points(outcome["q_star_used"], v.load_points),
+           "load_factors": dict(v.load_points), "rows": rows, **_prov(cfg)}
     if outcome["status"] != "ok":
         log.warning("knee of %s not bracketed (%s): %s", args.workload, outcome["status"], outcome["message"])
     write_json(args.out, out)
@@ -369,13 +357,13 @@ def cmd_serve_cell(args) -> None:
     from impl.serving.protocol import CellError, CellSpec, run_protocol, stamp_rows
 
     cfg = _cfg_threads(args)
-    v = _vsk(cfg)
+    v = vskipper_section(cfg)
     knee = _read_json(args.knee)
     if args.point not in knee["load_factors"]:
         raise ValueError(f"load point {args.point!r} is not a label of vskipper.load_points "
                          f"({', '.join(knee['load_factors'])})")
     kf = _knee_fields(knee, args.point)
-    base = {"experiment": args.experiment, "workload": args.workload, "model": v["model"], "policy": "flexidepth",
+    base = {"experiment": args.experiment, "workload": args.workload, "model": v.model, "policy": "flexidepth",
             "cell": args.point, **kf}
     prov = _prov(cfg)
     if knee["status"] != "ok" and knee.get("on_boundary") == "skip":
@@ -388,18 +376,18 @@ def cmd_serve_cell(args) -> None:
     model = _load_model(cfg, args.model_dir)
     skipper = _load_skipper(args.flexidepth, model)
     reqs = _requests(v, args.prompts, None)
-    cb = cb_config_for(v["engine"], reqs)
+    cb = cb_config_for(v.engine, reqs)
     names = [SERVED] + [a for a in (args.arms or []) if a != SERVED]
     arms = build_served_arms(model, skipper, switch, names, cb)
-    reps = args.repetitions or v["repetitions"]
-    lanes = args.lanes or v["lanes"]
+    reps = args.repetitions or v.repetitions
+    lanes = args.lanes or v.lanes
     spec = CellSpec(args.workload, args.point, kf["rate"], tuple(reqs))
     rows: list[dict] = []
     for lane in lanes:
         try:
             got = run_protocol(arms, [spec], repetitions=reps, seed=cfg["seed"], baseline=UPSTREAM, lanes=(lane,),
                                out=None, config=cfg, device=cfg["device"], dtype=cfg["dtype"],
-                               run_id=prov["run_id"], timeout_s=v["timeout_s"], keep_ids=not args.drop_ids)
+                               run_id=prov["run_id"], timeout_s=v.timeout_s, keep_ids=not args.drop_ids)
             rows += [{**r, **base} for r in got]
         except (CellError, MatchedWorkError) as e:
             log.error("%s/%s lane %s rejected: %s", args.workload, args.point, lane, e)
@@ -422,11 +410,11 @@ def cmd_randomskip_map(args) -> None:
     from impl.serving.protocol import CellError, cell_seed, run_cell, stamp_rows
 
     cfg = _cfg_threads(args)
-    v = _vsk(cfg)
-    rs = v["randomskip"]
+    v = vskipper_section(cfg)
+    rs = v.randomskip
     knee = _read_json(args.knee)
-    kf = _knee_fields(knee, rs["point"])
-    base = {"experiment": "randomskip", "workload": args.workload, "model": v["model"], "cell": rs["point"], **kf}
+    kf = _knee_fields(knee, rs.point)
+    base = {"experiment": "randomskip", "workload": args.workload, "model": v.model, "cell": rs.point, **kf}
     prov = _prov(cfg)
     if knee["status"] != "ok" and knee.get("on_boundary") == "skip":
         write_jsonl(args.out, [{"kind": "skipped", **base, "reason": f"knee not bracketed ({knee['status']})", **prov}])
@@ -435,18 +423,18 @@ def cmd_randomskip_map(args) -> None:
     rnd = _read_json(args.random_thresholds)
     grid = {(g["r"], g["d"]): g for g in rnd["grid"]}
     model = _load_model(cfg, args.model_dir)
-    reqs = _requests(v, args.prompts, rs["requests"])
-    cb = cb_config_for(v["engine"], reqs)
+    reqs = _requests(v, args.prompts, rs.requests)
+    cb = cb_config_for(v.engine, reqs)
     upstream = ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)
-    seed = cell_seed(cfg["seed"], args.workload, f"randomskip-{rs['point']}")
+    seed = cell_seed(cfg["seed"], args.workload, f"randomskip-{rs.point}")
     lengths = None
     rows: list[dict] = []
-    for r in rs["r"]:
-        for d in rs["d"]:
+    for r in rs.r:
+        for d in rs.d:
             g = grid.get((r, d))
             if g is None:
                 raise ValueError(f"{args.random_thresholds} has no thresholds for r={r}, d={d}; re-run profile-mode")
-            sk = RandomSkip(rnd["routed_layers"], r=r, d=d, seed=rs["seed"], layer_choice=rs["layer_choice"])
+            sk = RandomSkip(rnd["routed_layers"], r=r, d=d, seed=rs.seed, layer_choice=rs.layer_choice)
             bound = bind_skipper(copy.deepcopy(model), sk)
             switches = {"always-route": ModeSwitch(always_route=True),
                         "shared": ModeSwitch.from_thresholds(shared["thresholds"]),
@@ -460,9 +448,9 @@ def cmd_randomskip_map(args) -> None:
                    "n_routed": len(sk.routed_layers)}
             log.info("RandomSkip r=%g d=%g (s=%.3f) at %.4g req/s", r, d, sk.skip_ratio, kf["rate"])
             try:
-                res = run_cell(arms, reqs, cell=rs["point"], rate=kf["rate"], repetitions=rs["repetitions"], seed=seed,
+                res = run_cell(arms, reqs, cell=rs.point, rate=kf["rate"], repetitions=rs.repetitions, seed=seed,
                                baseline=UPSTREAM, lane="matched", lengths=lengths, workload=args.workload,
-                               timeout_s=v["timeout_s"], keep_ids=False)
+                               timeout_s=v.timeout_s, keep_ids=False)
             except (CellError, MatchedWorkError) as e:
                 log.error("RandomSkip r=%g d=%g rejected: %s", r, d, e)
                 rows += [{**x, **pol} for x in _rejected(e, {**pol, "lane": "matched"})]
@@ -481,37 +469,34 @@ def cmd_randomskip_map(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------- quality
-def quality_options(q: dict, cache_dir=None):
-    """:class:`impl.quality.tasks.TaskOptions` from the (validated) ``vskipper.quality`` mapping."""
+def quality_options(q: Quality, cache_dir=None):
+    """:class:`impl.quality.tasks.TaskOptions` from the typed ``vskipper.quality`` section."""
     from impl.quality.tasks import TaskOptions
 
-    g = q["max_gen_toks"]
-    return TaskOptions(gsm8k_num_fewshot=int(q["gsm8k_num_fewshot"]), gsm8k_max_gen_toks=int(g["gsm8k"]),
-                       bbh_subtasks=tuple(q["bbh_subtasks"]), bbh_max_gen_toks=int(g["bbh"]),
-                       coqa_max_gen_toks=int(g["coqa"]), datasets_cache_dir=None if cache_dir is None else str(cache_dir))
+    g = q.max_gen_toks
+    return TaskOptions(gsm8k_num_fewshot=q.gsm8k_num_fewshot, gsm8k_max_gen_toks=g.gsm8k,
+                       bbh_subtasks=tuple(q.bbh_subtasks), bbh_max_gen_toks=g.bbh,
+                       coqa_max_gen_toks=g.coqa, datasets_cache_dir=None if cache_dir is None else str(cache_dir))
 
 
-def quality_cb_config(engine: dict, max_length: int, n_docs: int | None):
-    """Engine configuration of the served quality arms C and D (the same for both): ``vskipper.engine``'s
-    sizes; ``num_blocks: null`` sizes the paged cache for ``min(n_docs, max_requests_per_batch)``
-    requests of ``max_length`` tokens at once (+4 pages), so no request is evicted mid-generation."""
-    from impl.vskipper.engine import routed_cb_config
+def quality_cb_config(engine: Engine, max_length: int, n_docs: int | None):
+    """Engine configuration of the served quality arms C and D (the same for both): the cache of
+    :func:`impl.vskipper.engine.sized_cb_config` holds ``min(n_docs, max_requests_per_batch)`` requests
+    of ``max_length`` tokens at once, so no request is evicted mid-generation."""
+    from impl.vskipper.engine import sized_cb_config
 
-    page = int(engine["page_size"])
-    conc = int(engine["max_requests_per_batch"])
+    conc = engine.max_requests_per_batch
     if n_docs:
         conc = min(conc, int(n_docs))
-    blocks = engine.get("num_blocks") or conc * math.ceil((int(max_length) + 1) / page) + 4
-    return routed_cb_config(page_size=page, num_blocks=int(blocks), max_batch_tokens=int(engine["max_batch_tokens"]),
-                            max_requests_per_batch=int(engine["max_requests_per_batch"]))
+    return sized_cb_config(engine, [int(max_length)] * conc)
 
 
-def quality_concurrency(q: dict, engine: dict, n_docs: int | None) -> int:
+def quality_concurrency(q: Quality, engine: Engine, n_docs: int | None) -> int:
     """Requests lm-eval keeps in flight against the served arms C and D: ``vskipper.quality.http_concurrency``,
     else ``vskipper.engine.max_requests_per_batch``, capped by the number of documents (``n_docs``, None:
     unknown). Requests beyond the engine's batch wait in its queue (the cache of :func:`quality_cb_config`
     holds the running ones)."""
-    conc = int(q.get("http_concurrency") or engine["max_requests_per_batch"])
+    conc = q.http_concurrency or engine.max_requests_per_batch
     if n_docs:
         conc = min(conc, int(n_docs))
     return max(1, conc)
@@ -531,23 +516,23 @@ def cmd_quality_cell(args) -> None:
     from impl.vskipper.quality_run import run_quality
 
     cfg = _cfg_threads(args)
-    v = _vsk(cfg)
-    q = v.get("quality")
-    if not q:
+    v = vskipper_section(cfg)
+    q = v.quality
+    if q is None:
         raise SystemExit("error: the config has no 'vskipper.quality' section")
     suite = args.suite
-    if suite not in q["tasks"]:
-        raise SystemExit(f"error: suite {suite!r} is not in vskipper.quality.tasks ({', '.join(q['tasks'])})")
+    if suite not in q.tasks:
+        raise SystemExit(f"error: suite {suite!r} is not in vskipper.quality.tasks ({', '.join(q.tasks)})")
     model = _load_model(cfg, args.model_dir)
     skipper = _load_skipper(args.flexidepth, model)  # checked against the base model's shapes
     del model
     tok = load_tokenizer(args.model_dir)
     max_length = default_max_length(AutoConfig.from_pretrained(args.model_dir, local_files_only=True), tok)
-    n_tasks = len(q["bbh_subtasks"]) if suite == "bbh" else 1
-    n_docs = None if q["limit"] is None else q["limit"] * n_tasks
-    conc = quality_concurrency(q, v["engine"], n_docs)
-    cb = quality_cb_config(v["engine"], max_length, n_docs)
-    base = {"experiment": "quality", "model": v["model"], "policy": "flexidepth", "checkpoint": str(args.flexidepth)}
+    n_tasks = len(q.bbh_subtasks) if suite == "bbh" else 1
+    n_docs = None if q.limit is None else q.limit * n_tasks
+    conc = quality_concurrency(q, v.engine, n_docs)
+    cb = quality_cb_config(v.engine, max_length, n_docs)
+    base = {"experiment": "quality", "model": v.model, "policy": "flexidepth", "checkpoint": str(args.flexidepth)}
     run_cfg = {**cfg, "quality_suite": suite}
     work = Path(args.work_dir)
     if work.exists():
@@ -555,10 +540,10 @@ def cmd_quality_cell(args) -> None:
     rows: list[dict]
     with tempfile.TemporaryDirectory(prefix="vsk_quality_hf_") as cache:
         try:
-            res = run_quality(args.model_dir, skipper, cfg["data_dir"], (suite,), q["limit"], work,
+            res = run_quality(args.model_dir, skipper, cfg["data_dir"], (suite,), q.limit, work,
                               options=quality_options(q, cache), device=cfg["device"], dtype=cfg["dtype"],
-                              max_length=max_length, cb_config=cb, first_token_docs=int(q["first_token_docs"]),
-                              tol=float(q["tol"]), seed=int(cfg["seed"]), config=run_cfg, served="http",
+                              max_length=max_length, cb_config=cb, first_token_docs=q.first_token_docs,
+                              tol=q.tol, seed=int(cfg["seed"]), config=run_cfg, served="http",
                               http_concurrency=conc)
         except PromptMismatchError as e:
             log.error("quality %s rejected by the prompt-hash gate: %s", suite, e)
@@ -574,7 +559,7 @@ def cmd_quality_cell(args) -> None:
     rows = [{**r, **base} for r in res.rows]
     summary = json.loads((work / "summary.json").read_text(encoding="utf-8"))
     summary.pop("config", None)  # the whole config is hashed into every row's provenance
-    summary.update(suite=suite, gate="PASS", **base, limit=q["limit"], options=quality_options(q).to_dict(),
+    summary.update(suite=suite, gate="PASS", **base, limit=q.limit, options=quality_options(q).to_dict(),
                    max_length=max_length)
     write_jsonl(args.out, rows)
     write_json(args.summary, summary)
@@ -611,19 +596,19 @@ def cmd_quality_served(args) -> None:
     from impl.vskipper.mode import ModeSwitch
 
     cfg = _cfg_threads(args)
-    v = _vsk(cfg)
-    q = v.get("quality")
-    if not q:
+    v = vskipper_section(cfg)
+    q = v.quality
+    if q is None:
         raise SystemExit("error: the config has no 'vskipper.quality' section")
-    sv = q.get("served")
-    if not sv:
+    sv = q.served
+    if sv is None:
         raise SystemExit("error: vskipper.quality.served is null (no served-at-knee pass)")
     suite = args.suite
-    if suite not in q["tasks"]:
-        raise SystemExit(f"error: suite {suite!r} is not in vskipper.quality.tasks ({', '.join(q['tasks'])})")
+    if suite not in q.tasks:
+        raise SystemExit(f"error: suite {suite!r} is not in vskipper.quality.tasks ({', '.join(q.tasks)})")
     knee = _read_json(args.knee)
-    kf = served_knee_fields(knee, sv["point"])
-    base = {"experiment": "quality-served", "model": v["model"], "policy": "flexidepth",
+    kf = served_knee_fields(knee, sv.point)
+    base = {"experiment": "quality-served", "model": v.model, "policy": "flexidepth",
             "checkpoint": str(args.flexidepth), **kf}
     run_cfg = {**cfg, "quality_served_suite": suite}
     prov = _prov(run_cfg)
@@ -648,17 +633,17 @@ def cmd_quality_served(args) -> None:
     thr = _read_json(args.thresholds)
     switch = ModeSwitch.from_thresholds(thr["thresholds"])
     pads = read_jsonl(args.prompts) if args.prompts else []
-    n_req = v["requests"] if sv["requests"] is None else int(sv["requests"])
+    n_req = v.requests if sv.requests is None else int(sv.requests)
     work = Path(args.work_dir)
     if work.exists():
         shutil.rmtree(work)
     with tempfile.TemporaryDirectory(prefix="vsk_served_hf_") as cache:
         try:
             res = run_served_knee(args.model_dir, f"flexidepth:{args.flexidepth}", reqs, cfg["data_dir"], suite,
-                                  rate=kf["rate"], switch=switch, out=work, limit=q["limit"],
+                                  rate=kf["rate"], switch=switch, out=work, limit=q.limit,
                                   options=quality_options(q, cache), pad_prompts=pads, n_requests=n_req,
-                                  pad_max_tokens=int(v["max_new_tokens"]), seed=int(cfg["seed"]), device=cfg["device"],
-                                  dtype=cfg["dtype"], engine=v["engine"], timeout_s=float(v["timeout_s"]),
+                                  pad_max_tokens=v.max_new_tokens, seed=int(cfg["seed"]), device=cfg["device"],
+                                  dtype=cfg["dtype"], engine=v.engine, timeout_s=v.timeout_s,
                                   extra=base, config=run_cfg, run_id=prov["run_id"])
         except ServedStreamError as e:
             reject("failed requests", e, e.rows)
@@ -669,7 +654,7 @@ def cmd_quality_served(args) -> None:
     rows = [{**r, **base} for r in res.rows]
     summary = json.loads((work / "summary.json").read_text(encoding="utf-8"))
     summary.pop("config", None)
-    summary.update(suite=suite, status="ok", **base, limit=q["limit"], served=sv, switch=switch.to_dict())
+    summary.update(suite=suite, status="ok", **base, limit=q.limit, served=sv.model_dump(), switch=switch.to_dict())
     write_jsonl(args.out, rows)
     write_json(args.summary, summary)
     for r in res.summary:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..spec.ar import check_prompt_ids
+from ..spec.result import DecodeResult
 from .lattice import Lattice
 from .reference import StageBatch
 
@@ -50,26 +51,21 @@ class TokenMetrics:
     etks: int = 0
 
 
-@dataclass
-class DEXResult:
-    """Output of :meth:`DEXDecoder.decode`.
+@dataclass(kw_only=True)
+class DEXResult(DecodeResult):
+    """Output of :meth:`DEXDecoder.decode`: the :class:`~impl.spec.result.DecodeResult` fields (``tokens``:
+    the committed ids; ``prefill_seconds``: the prompt prefill through all L layers, sequential through
+    the stages on K devices too, so part of the critical path, as it is part of AR's wall time) plus
 
     Attributes:
-        tokens: committed token ids.
         metrics: one :class:`TokenMetrics` per token.
         round_seconds: per round, the wall time (s) of each explorer's batch (0 when idle).
         profile: seconds spent in expansion (explorer batches), commit+collapse, and bookkeeping.
-        stopped_at_eos: whether EOS ended the decode.
-        prefill_seconds: wall time (s) of the prompt prefill (all L layers; sequential through the
-            stages on K devices too, so part of the critical path, as it is part of AR's wall time).
     """
 
-    tokens: list[int]
     metrics: list[TokenMetrics]
     round_seconds: list[list[float]]
     profile: dict[str, float]
-    stopped_at_eos: bool = False
-    prefill_seconds: float = 0.0
 
     @property
     def critical_path_seconds(self) -> float:

@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import time
 from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..models.depth import num_layers
 from .sampling import DecodeRule
+from .result import DraftVerifyResult
 from .self_spec import _check_decode_args, _check_float, _check_int, _confidence, _Runner, _sync
 
 
@@ -77,47 +78,15 @@ class AdaRound:
     critical_layers: int
 
 
-@dataclass
-class AdaDecodeResult:
-    """Output of :func:`adadecode_decode`.
-
-    Attributes:
-        tokens: generated ids (EOS included when it stopped the run); equal to AR's under the rule.
-        stopped_at_eos: whether EOS ended the run before ``max_new_tokens``.
-        rounds: one :class:`AdaRound` per verification round.
-        layer_work: total token-layer evaluations after the prompt prefill (module docstring).
-        critical_layers: total sequential layers after the prompt prefill.
-        readout_rows: rows passed through the final norm + LM head.
-        seconds: wall time of the whole decode, prefill included (s).
-        prefill_seconds: wall time of the prompt prefill (s).
-    """
-
-    tokens: list[int]
-    stopped_at_eos: bool
-    rounds: list[AdaRound] = field(default_factory=list)
-    layer_work: int = 0
-    critical_layers: int = 0
-    readout_rows: int = 0
-    seconds: float = 0.0
-    prefill_seconds: float = 0.0
-
-    @property
-    def layer_work_per_token(self) -> float:
-        return self.layer_work / max(len(self.tokens), 1)
-
-    @property
-    def critical_layers_per_token(self) -> float:
-        return self.critical_layers / max(len(self.tokens), 1)
+@dataclass(kw_only=True)
+class AdaDecodeResult(DraftVerifyResult):
+    """Output of :func:`adadecode_decode`: the :class:`~impl.spec.result.DraftVerifyResult` fields
+    (``rounds`` holds :class:`AdaRound`; ``tokens`` equal AR's under the rule)."""
 
     @property
     def early_tokens(self) -> int:
         """Tokens emitted early (verified or rolled back)."""
         return sum(r.drafted for r in self.rounds)
-
-    @property
-    def acceptance_rate(self) -> float:
-        d = self.early_tokens
-        return sum(r.accepted for r in self.rounds) / d if d else 0.0
 
 
 def uniform_shortcut_layers(L: int, stride: int) -> list[int]:

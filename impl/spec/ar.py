@@ -11,23 +11,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .result import DecodeResult
 
-@dataclass
-class ARResult:
-    """Output of :func:`ar_decode`.
+
+@dataclass(kw_only=True)
+class ARResult(DecodeResult):
+    """Output of :func:`ar_decode`: the :class:`~impl.spec.result.DecodeResult` fields (here
+    ``prefill_seconds`` is the prompt forward and the first token) plus
 
     Attributes:
-        tokens: generated token ids (EOS included when it stopped the run).
-        prefill_seconds: wall time of the prompt forward and the first token (seconds).
         token_seconds: wall time of each later token's forward + selection (seconds), one per token
             after the first.
-        stopped_at_eos: whether EOS ended the run before ``max_new_tokens``.
     """
 
-    tokens: list[int]
-    prefill_seconds: float = 0.0
     token_seconds: list[float] = field(default_factory=list)
-    stopped_at_eos: bool = False
 
 
 def check_prompt_ids(model, input_ids) -> None:

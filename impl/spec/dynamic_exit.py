@@ -65,7 +65,7 @@ class DELRound(SpecRound):
     tpl: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DELResult(SelfSpecResult):
     """Output of :func:`dynamic_exit_decode`: the fields of
     :class:`impl.spec.self_spec.SelfSpecResult` (``rounds`` holds :class:`DELRound`) plus

@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from ..models.depth import decoder_layers, num_layers
+from .result import DecodeResult
 
 
-@dataclass
-class HFEarlyExitResult:
-    """Output of :func:`hf_early_exit_decode`.
+@dataclass(kw_only=True)
+class HFEarlyExitResult(DecodeResult):
+    """Output of :func:`hf_early_exit_decode`: the :class:`~impl.spec.result.DecodeResult` fields
+    (``prefill_seconds`` stays 0: transformers' ``generate`` has no separate prefill to time) plus
 
     Attributes:
-        tokens: generated ids (prompt excluded).
-        stopped_at_eos: generation ended on ``eos_token_id``.
         draft_passes: forward passes that stopped at the exit layer (one drafted token each).
         verify_passes: full-depth passes (prefill included).
         critical_layers: ``E * draft_passes + L * verify_passes``. transformers has no separate
@@ -39,8 +39,6 @@ class HFEarlyExitResult:
         seconds: wall time of ``generate``.
     """
 
-    tokens: list[int]
-    stopped_at_eos: bool
     draft_passes: int
     verify_passes: int
     critical_layers: int

@@ -37,7 +37,7 @@ Layer-work accounting (what every method in ``impl.spec`` charges; prompt prefil
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -45,6 +45,7 @@ import torch
 from ..models.depth import embed, num_layers, readout_logits, run_layers
 from .ar import check_prompt_ids
 from .sampling import DecodeRule
+from .result import DraftVerifyResult
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,50 +209,11 @@ class SpecRound:
     critical_layers: int
 
 
-@dataclass
-class SelfSpecResult:
-    """Output of :func:`self_spec_decode`.
-
-    Attributes:
-        tokens: generated ids (EOS included when it stopped the run); equal to AR's under the rule.
-        stopped_at_eos: whether EOS ended the run before ``max_new_tokens``.
-        rounds: one :class:`SpecRound` per verification round.
-        layer_work: total token-layer evaluations after the prompt prefill (module docstring).
-        critical_layers: total sequential layers after the prompt prefill.
-        readout_rows: rows passed through the final norm + LM head.
-        seconds: wall time of the whole decode, prefill included (s).
-        prefill_seconds: wall time of the prompt prefill (``input_ids[:-1]``, all layers) (s).
-    """
-
-    tokens: list[int]
-    stopped_at_eos: bool
-    rounds: list[SpecRound] = field(default_factory=list)
-    layer_work: int = 0
-    critical_layers: int = 0
-    readout_rows: int = 0
-    seconds: float = 0.0
-    prefill_seconds: float = 0.0
-
-    @property
-    def layer_work_per_token(self) -> float:
-        """Token-layer evaluations per generated token (AR: L)."""
-        return self.layer_work / max(len(self.tokens), 1)
-
-    @property
-    def critical_layers_per_token(self) -> float:
-        """Sequential layers per generated token (AR: L)."""
-        return self.critical_layers / max(len(self.tokens), 1)
-
-    @property
-    def tokens_per_round(self) -> float:
-        """tau: committed tokens per verification round, bonus included (micro average)."""
-        return sum(r.committed for r in self.rounds) / max(len(self.rounds), 1)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted over drafted tokens, pooled over rounds (0 when nothing was drafted)."""
-        d = sum(r.drafted for r in self.rounds)
-        return sum(r.accepted for r in self.rounds) / d if d else 0.0
+@dataclass(kw_only=True)
+class SelfSpecResult(DraftVerifyResult):
+    """Output of :func:`self_spec_decode`: the :class:`~impl.spec.result.DraftVerifyResult` fields
+    (``rounds`` holds :class:`SpecRound`; ``prefill_seconds`` is ``input_ids[:-1]`` through all layers;
+    ``tokens`` equal AR's under the rule)."""
 
 
 # --------------------------------------------------------------------------------------------------

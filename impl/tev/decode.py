@@ -36,6 +36,7 @@ import torch
 
 from impl.models.depth import embed, num_layers, readout_logits, run_layers
 from impl.spec.ar import check_prompt_ids
+from impl.spec.result import DecodeResult
 
 from .builder import best_first_tree, chain_tree
 from .exit_law import target_coverage
@@ -45,12 +46,11 @@ STAGES = ("draft", "build", "target", "verify", "commit")
 TREE_MODES = ("best_first", "chain")
 
 
-@dataclass
-class TEVResult:
-    """Output of :func:`tev_decode`.
+@dataclass(kw_only=True)
+class TEVResult(DecodeResult):
+    """Output of :func:`tev_decode`: the :class:`~impl.spec.result.DecodeResult` fields plus
 
     Attributes:
-        tokens: generated token ids (EOS included when it stopped the run).
         taus: per round, the verifier's block length L = D + 1 (accepted draft tokens plus the bonus;
             1 <= tau <= depth + 1).
         committed: per round, tokens actually appended (tau cut at max_new_tokens / EOS).
@@ -61,19 +61,14 @@ class TEVResult:
             synchronised): draft (drafter context update + block pass), build, target (tree forward,
             readout and temperature softmax), verify (the verifier call), commit (KV gather/crop and
             feature bookkeeping).
-        prefill_seconds: wall time of the prompt prefill (seconds).
-        stopped_at_eos: whether EOS ended the run.
         verifier, tree_mode, budget, depth, temperature: the settings used.
     """
 
-    tokens: list[int] = field(default_factory=list)
     taus: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
     coverages: list[float] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     stage_seconds: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
-    prefill_seconds: float = 0.0
-    stopped_at_eos: bool = False
     verifier: str = "tev"
     tree_mode: str = "best_first"
     budget: int = 0

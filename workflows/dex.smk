@@ -25,9 +25,6 @@ if DEX:
         threads: DEX["adapters"]["threads"]
         log:
             f"{LOGS}/dex/adapters/{{model}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=120,
         shell:
             "python -m impl train-adapters --config-json @{params.cfg} --quiet --model-dir {input.model} "
             "--out {output.adapters} --summary {output.summary} 2> {log}"
@@ -48,9 +45,6 @@ if DEX:
         threads: CFG["threads"]
         log:
             f"{LOGS}/dex/{{variant}}/{{suite}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=240,
         shell:
             "python -m impl dex-cell --config-json @{params.cfg} --quiet --variant {wildcards.variant} "
             "--model-dir {input.model} {params.adapters} --prompts {input.prompts} --out {output} 2> {log}"
@@ -90,8 +84,6 @@ if DEX:
         log:
             f"{LOGS}/dex/distributed/K{{k}}.log",
         resources:
-            mem_mb=8000,
-            runtime=60,
             gres=lambda w: f"gpu:{w.k}",  # one GPU per explorer rank on a cluster (ignored locally)
         shell:
             "OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node {wildcards.k} "

@@ -15,9 +15,6 @@ rule measure_ead:
     threads: CFG["threads"]
     log:
         f"{LOGS}/ead/{{model}}/{{suite}}.log",
-    resources:
-        mem_mb=8000,
-        runtime=120,
     shell:
         "python -m impl ead --config-json @{params.cfg} --quiet --model {wildcards.model} --model-dir {input.model} "
         "--prompts {input.prompts} --out {output} 2> {log}"
@@ -37,9 +34,6 @@ rule ar_bench:
     threads: CFG["threads"]
     log:
         f"{LOGS}/ar/{{model}}/{{suite}}.log",
-    resources:
-        mem_mb=8000,
-        runtime=120,
     shell:
         "python -m impl ar-bench --config-json @{params.cfg} --quiet --model {wildcards.model} --model-dir {input.model} "
         "--prompts {input.prompts} --out {output} 2> {log}"
@@ -64,9 +58,6 @@ if EAD_SHARED:
         threads: CFG["threads"]
         log:
             f"{LOGS}/ead_shared/{{suite}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=120,
         shell:
             "python -m impl ead-shared --config-json @{params.cfg} --quiet --models {params.names} "
             "--model-dirs {input.models} --ead {input.ead} --prompts {input.prompts} --out {output} 2> {log}"

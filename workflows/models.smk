@@ -12,9 +12,6 @@ rule tokenizer:
         sig=sig("data_dir", "corpus", "tokenizer"),
     log:
         f"{LOGS}/tokenizer.log",
-    resources:
-        mem_mb=4000,
-        runtime=20,
     shell:
         "python -m impl tokenizer --config-json @{params.cfg} --out {output} 2> {log}"
 
@@ -31,9 +28,6 @@ rule corpus:
         sig=sig("data_dir", "corpus"),
     log:
         f"{LOGS}/corpus.log",
-    resources:
-        mem_mb=8000,
-        runtime=30,
     shell:
         "python -m impl corpus --config-json @{params.cfg} --tokenizer {input.tok} --out {output} 2> {log}"
 
@@ -55,9 +49,6 @@ rule train_model:
     threads: CFG["training"]["threads"]
     log:
         f"{LOGS}/train/{{model}}.log",
-    resources:
-        mem_mb=8000,
-        runtime=240,
     shell:
         "python -m impl train --config-json @{params.cfg} --quiet --model {wildcards.model} --tokenizer {input.tok} "
         "--corpus {input.corpus} --out {output.model} --summary {output.summary} 2> {log}"
@@ -80,8 +71,5 @@ for _name, _m in CFG["models"].items():
             sig=sig("dtype", gguf=_m["gguf"]),
         log:
             f"{LOGS}/convert/{_name}.log",
-        resources:
-            mem_mb=6000,
-            runtime=20,
         shell:
             "python -m impl convert-gguf --config-json @{params.cfg} --model {params.name} --out {output} 2> {log}"

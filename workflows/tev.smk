@@ -22,9 +22,6 @@ if TEV:
         threads: TEV["drafter"]["threads"]
         log:
             f"{LOGS}/tev/train/{{model}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=120,
         shell:
             "python -m impl tev-train --config-json @{params.cfg} --quiet --model-dir {input.model} "
             "--out {output.drafters} --summary {output.summary} 2> {log}"
@@ -46,9 +43,6 @@ if TEV:
         threads: CFG["threads"]
         log:
             f"{LOGS}/tev/{{model}}/{{suite}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=120,
         shell:
             "python -m impl tev-cell --config-json @{params.cfg} --quiet --model {wildcards.model} "
             "--model-dir {input.model} --drafters {input.drafters} --prompts {input.prompts} --out {output} 2> {log}"
@@ -68,9 +62,6 @@ if TEV:
         threads: CFG["threads"]
         log:
             f"{LOGS}/tev/latency/{{model}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=60,
         shell:
             "python -m impl tev-latency --config-json @{params.cfg} --quiet --model {wildcards.model} "
             "--model-dir {input.model} --drafters {input.drafters} --prompts {input.prompts} --out {output} 2> {log}"

@@ -38,9 +38,6 @@ if VSK:
         threads: VSK["flexidepth"]["threads"]
         log:
             f"{LOGS}/vskipper/train_flexidepth.log",
-        resources:
-            mem_mb=8000,
-            runtime=120,
         shell:
             "python -m impl train-flexidepth --config-json @{params.cfg} --quiet --model-dir {input.model} "
             "--out {output.ckpt} --summary {output.summary} 2> {log}"
@@ -60,9 +57,6 @@ if VSK:
         threads: VSK_TIMED_THREADS
         log:
             f"{LOGS}/vskipper/profile_{{vsk_policy}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=60,
         shell:
             "python -m impl profile-mode --config-json @{params.cfg} --quiet --model-dir {input.model} "
             "--flexidepth {input.ckpt} --policy {wildcards.vsk_policy} --prompts {input.prompts} --out {output} 2> {log}"
@@ -81,9 +75,6 @@ if VSK:
         threads: VSK_TIMED_THREADS
         log:
             f"{LOGS}/vskipper/knee_{{suite}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=120,
         shell:
             "python -m impl knee --config-json @{params.cfg} --quiet --model-dir {input.model} --prompts {input.prompts} "
             "--workload {wildcards.suite} --out {output} 2> {log}"
@@ -108,9 +99,6 @@ if VSK:
         threads: VSK_TIMED_THREADS
         log:
             f"{LOGS}/vskipper/cells/{{suite}}/{{vsk_point}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=240,
         shell:
             VSK_CELL_SHELL
 
@@ -135,9 +123,6 @@ if VSK:
             threads: VSK_TIMED_THREADS
             log:
                 f"{LOGS}/vskipper/ablation_{{suite}}.log",
-            resources:
-                mem_mb=8000,
-                runtime=120,
             shell:
                 VSK_CELL_SHELL
 
@@ -160,9 +145,6 @@ if VSK:
             threads: VSK_TIMED_THREADS
             log:
                 f"{LOGS}/vskipper/randomskip_{{suite}}.log",
-            resources:
-                mem_mb=8000,
-                runtime=240,
             shell:
                 "python -m impl randomskip-map --config-json @{params.cfg} --quiet --model-dir {input.model} "
                 "--knee {input.knee} --shared-thresholds {input.shared} --random-thresholds {input.random} "
@@ -205,9 +187,6 @@ if VSK:
             threads: CFG["threads"]
             log:
                 f"{LOGS}/vskipper/quality_{{qsuite}}.log",
-            resources:
-                mem_mb=8000,
-                runtime=120,
             shell:
                 "python -m impl quality-cell --config-json @{params.cfg} --quiet --model-dir {input.model} "
                 "--flexidepth {input.ckpt} --suite {wildcards.qsuite} --work-dir {output.work} "
@@ -238,9 +217,6 @@ if VSK:
             threads: VSK_TIMED_THREADS
             log:
                 f"{LOGS}/vskipper/quality_served_{{qsuite}}.log",
-            resources:
-                mem_mb=8000,
-                runtime=120,
             shell:
                 "python -m impl quality-served --config-json @{params.cfg} --quiet --model-dir {input.model} "
                 "--flexidepth {input.ckpt} --thresholds {input.thresholds} --knee {input.knee} "

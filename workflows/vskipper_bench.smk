@@ -47,9 +47,6 @@ if CFG.get("vskipper"):
         threads: 2
         log:
             f"{LOGS}/vskipper/bench_{{vskb_label}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=30,
         shell:
             "python -m impl vskipper-bench --config-json @{params.cfg} --quiet {params.src} --label {wildcards.vskb_label} "
             "{params.args} --out {output.rows} --summary {output.summary} 2> {log}"

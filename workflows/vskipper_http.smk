@@ -39,9 +39,6 @@ if CFG.get("vskipper") and TINY_MODELS:
         threads: 1
         log:
             f"{LOGS}/vskipper/http_{{model}}.log",
-        resources:
-            mem_mb=8000,
-            runtime=30,
         shell:
             "python -m impl vskipper-http-check --config-json @{params.cfg} --quiet --model-dir {input.model} "
             "--prompts {input.prompts} {params.skipper} {params.args} --label {wildcards.model} "

@@ -59,7 +59,7 @@ def test_training_reduces_kl_and_leaves_backbone(tiny_model):
     rng = np.random.default_rng(0)
     toks = rng.integers(1, 97, size=6000).astype(np.int32)
     before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
-    cfg = AdapterTrainConfig(steps=40, batch_size=4, seq_len=32, lr=1e-2, eval_windows=8, threads=1)
+    cfg = AdapterTrainConfig(steps=40, batch_size=4, seq_len=32, lr=1e-2, position_fraction=1.0, eval_windows=8, threads=1)
     ad, summary = train_adapters(tiny_model, [4, 8], toks[:5000], toks[5000:], cfg, progress=False)
     for k, v in tiny_model.state_dict().items():
         assert torch.equal(v, before[k]), k

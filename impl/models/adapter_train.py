@@ -35,7 +35,10 @@ log = logging.getLogger("impl.models.adapter_train")
 
 @dataclass(frozen=True)
 class AdapterTrainConfig:
-    """Adapter training budget (config section ``adapters``); sizes in tokens.
+    """Adapter training budget; sizes in tokens. ``steps``, ``batch_size``, ``seq_len``, ``lr``,
+    ``position_fraction`` and ``threads`` have no defaults here: their one source of defaults is the
+    config section ``dex.adapters`` (:class:`impl.dex.schema.Adapters`), which ``python -m impl
+    train-adapters`` reads; a caller outside the DAG names them.
 
     Attributes:
         steps: optimiser steps.
@@ -51,16 +54,16 @@ class AdapterTrainConfig:
         threads: torch threads.
     """
 
-    steps: int = 300
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 1e-3
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    position_fraction: float
+    threads: int
     warmup_fraction: float = 0.06
-    position_fraction: float = 1.0
     temperature: float = 1.0
     eval_windows: int = 32
     seed: int = 1234
-    threads: int = 2
 
 
 def _lr(step: int, cfg: AdapterTrainConfig) -> float:

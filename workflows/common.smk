@@ -89,7 +89,8 @@ def report_sections():
         out.append(("vskipper-serving", VSK_TABLES, VSK_REPORT_INPUTS))
         out.append(("vskipper-bench", VSKB_TABLES, rules.vskipper_bench_tables.output))
         if TINY_MODELS:
-            out.append(("vskipper-http", VSKH_DIR, expand(f"{VSKH_DIR}/{{model}}.csv", model=TINY_MODELS)))
+            out.append(("vskipper-http", VSKH_DIR, expand(f"{VSKH_DIR}/{{model}}.csv", model=TINY_MODELS)
+                        + expand(f"{VSKH_DIR}/{{model}}.bench_serving.csv", model=VSKH_BENCH_MODELS)))
     return out
 
 

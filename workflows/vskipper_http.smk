@@ -7,6 +7,7 @@
 # REPORT.md. Routed arms use the FlexiDepth checkpoint (and RandomSkip too) on vskipper.model, RandomSkip on
 # the other tiny models. Command: python -m impl vskipper-http-check --help (impl/vskipper/commands.py).
 # Include after vskipper.smk and before report.smk.
+VSKH_BENCH_MODELS = []  # set below when vskipper.http.bench_serving.python is
 if CFG.get("vskipper") and TINY_MODELS:
     VSKH = CFG["vskipper"]
     VSKH_DIR = f"{RESULTS}/vskipper/http"
@@ -18,6 +19,11 @@ if CFG.get("vskipper") and TINY_MODELS:
     _vskh = VSKH["http"]
     VSKH_ARGS = (f"--n-prompts {_vskh['n_prompts']} --max-tokens {_vskh['max_tokens']} --limit {_vskh['limit']} "
                  f"--r {_vskh['r']} --d {_vskh['d']}")
+    # vskipper.http.bench_serving.python set (a Python with SGLang, scripts/setup_sglang.sh; overlay
+    # configs/bench_serving.yaml): rule vskipper_bench_serving runs SGLang's own bench_serving client against
+    # every listed arm of every listed model (RandomSkip r/d above for the routed arms)
+    VSKH_BENCH = _vskh["bench_serving"]
+    VSKH_BENCH_MODELS = list(VSKH_BENCH.get("models") or CFG["models"]) if VSKH_BENCH.get("python") else []
 
     rule vskipper_http:
         conda:
@@ -44,3 +50,28 @@ if CFG.get("vskipper") and TINY_MODELS:
             "--prompts {input.prompts} {params.skipper} {params.args} --label {wildcards.model} "
             "--out {output.csv} --summary {output.summary} 2> {log}"
 
+
+
+if CFG.get("vskipper") and VSKH_BENCH_MODELS:
+
+    rule vskipper_bench_serving:
+        conda:
+            "../env.yaml"
+        input:
+            model=model_path,
+        output:
+            csv=f"{VSKH_DIR}/{{model}}.bench_serving.csv",
+            summary=f"{VSKH_DIR}/{{model}}.bench_serving.json",
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            arms=" ".join(VSKH_BENCH["arms"]),
+            rd=f"--r {_vskh['r']} --d {_vskh['d']}",
+            sig=sig("data_dir", "seed", "threads", "device", "dtype", bench=VSKH_BENCH, r=_vskh["r"], d=_vskh["d"],
+                    vsk={k: VSKH.get(k) for k in ("engine", "randomskip")}),
+        threads: 1
+        log:
+            f"{LOGS}/vskipper/bench_serving_{{model}}.log",
+        shell:
+            "python -m impl vskipper-http-check --config-json @{params.cfg} --quiet --model-dir {input.model} "
+            "--checks bench_serving --arms {params.arms} {params.rd} --label {wildcards.model} "
+            "--out {output.csv} --summary {output.summary} 2> {log}"

@@ -133,18 +133,22 @@ def cmd_vskipper_http_check(args) -> None:
     from impl.runtime import config_from_args, set_threads
     from impl.provenance import provenance
 
-    from .http_check import ARMS, CHECKS, HYBRID_SWITCH, check_arms, default_skipper_specs, write_outputs
+    from .http_check import ARMS, DEFAULT_CHECKS, HYBRID_SWITCH, check_arms, default_skipper_specs, write_outputs
 
     cfg = config_from_args(args)
     set_threads(cfg)
     for name in ("ContinuousBatchingLogger", "lm_eval", "lm-eval"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from .schema import RandomSkipMap, VskipperSection
+    from .schema import BenchServing, RandomSkipMap, VskipperSection
 
     v = VskipperSection.model_validate(cfg["vskipper"]) if isinstance(cfg, dict) and cfg.get("vskipper") else None
     rs = v.randomskip if v is not None else RandomSkipMap()
     q = v.quality if v is not None else None
     engine = v.engine if v is not None else None
+    bench = v.http.bench_serving if v is not None else BenchServing()
+    if args.sglang_python:
+        bench = bench.model_copy(update={"python": args.sglang_python})
+    checks = list(args.checks or (DEFAULT_CHECKS + (("bench_serving",) if args.sglang_python else ())))
     if args.skipper:
         specs = list(args.skipper)
     else:
@@ -157,16 +161,17 @@ def cmd_vskipper_http_check(args) -> None:
             specs.append(f"randomskip:{rd}")
     num_fewshot = args.num_fewshot if args.num_fewshot is not None else (q.gsm8k_num_fewshot if q else None)
     max_gen = args.max_gen_toks or (q.max_gen_toks.gsm8k if q else None) or 32
-    settings = dict(model_dir=str(args.model_dir), prompts=str(args.prompts), arms=list(args.arms or ARMS),
+    settings = dict(model_dir=str(args.model_dir), prompts=args.prompts and str(args.prompts), arms=list(args.arms or ARMS),
                     skippers=specs, n_prompts=args.n_prompts, max_tokens=args.max_tokens, limit=args.limit,
-                    num_fewshot=num_fewshot, max_gen_toks=int(max_gen), checks=list(args.checks or CHECKS),
+                    num_fewshot=num_fewshot, max_gen_toks=int(max_gen), checks=checks,
+                    bench_serving=bench.model_dump() if "bench_serving" in checks else None,
                     hybrid_switch=HYBRID_SWITCH, engine=None if engine is None else engine.model_dump(),
                     data_dir=str(cfg["data_dir"]))
     t0 = time.perf_counter()
     rows = check_arms(args.model_dir, settings["arms"], specs, args.prompts, n_prompts=args.n_prompts,
                       max_tokens=args.max_tokens, data_dir=cfg["data_dir"], limit=args.limit, num_fewshot=num_fewshot,
                       max_gen_toks=int(max_gen), engine=engine, label=args.label, dtype=cfg["dtype"],
-                      device=cfg["device"], seed=int(cfg["seed"]), checks=settings["checks"])
+                      device=cfg["device"], seed=int(cfg["seed"]), checks=checks, bench=bench)
     wall = time.perf_counter() - t0
     prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
     summary = write_outputs(rows, args.out, args.summary,
@@ -218,7 +223,8 @@ def register(add) -> None:
              "engine arms (upstream, hybrid, always-route) in process and behind HTTP: OpenAI-style client with "
              "ignore_eos, lm-eval local-completions, endpoints; PASS/FAIL rows")
     sp.add_argument("--model-dir", required=True, help="HF model directory (with tokenizer)")
-    sp.add_argument("--prompts", required=True, help="workload suite JSONL with input_ids (rule workload_tokens)")
+    sp.add_argument("--prompts", help="workload suite JSONL with input_ids (rule workload_tokens; needed by the "
+                                      "client_stream, greedy_ids and endpoints checks)")
     sp.add_argument("--flexidepth", help="FlexiDepth checkpoint directory: the routed arms' skipper "
                                          "(default: RandomSkip r=--r, d=--d)")
     sp.add_argument("--skipper", action="append", help="skipper spec(s) of the routed arms, overriding --flexidepth "
@@ -227,8 +233,14 @@ def register(add) -> None:
                     help="with a FlexiDepth checkpoint, run the routed arms with RandomSkip too")
     sp.add_argument("--r", type=fraction, default=0.5, help="RandomSkip row fraction (default 0.5)")
     sp.add_argument("--d", type=fraction, default=0.5, help="RandomSkip layer fraction (default 0.5)")
-    sp.add_argument("--arms", nargs="+", help="arms (default: upstream hybrid always-route)")
-    sp.add_argument("--checks", nargs="+", help="checks (default: client_stream greedy_ids lm_eval endpoints)")
+    sp.add_argument("--arms", nargs="+",
+                    help="arms (default: upstream hybrid always-route; also prefill-only decode-only no-promotion never-route)")
+    sp.add_argument("--checks", nargs="+",
+                    help="checks (default: client_stream greedy_ids lm_eval endpoints, plus bench_serving when "
+                         "vskipper.http.bench_serving.python or --sglang-python is set)")
+    sp.add_argument("--sglang-python", help="a Python with SGLang installed (.venv-sglang/bin/python from "
+                                            "scripts/setup_sglang.sh): adds the bench_serving check to the "
+                                            "default checks (its settings: vskipper.http.bench_serving)")
     sp.add_argument("--n-prompts", type=positive_int, default=4, help="requests per client check (default 4)")
     sp.add_argument("--max-tokens", type=positive_int, default=16, help="tokens per ignore_eos request (default 16)")
     sp.add_argument("--limit", type=positive_int, default=4, help="GSM8K documents evaluated by lm-eval (default 4)")

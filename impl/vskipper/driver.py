@@ -46,6 +46,7 @@ from ..serving.engine import EngineDriver, LiveRequest, TokenEvent, retry_resize
 from .engine import bind_skipper, routed_cb_config, unbind_skipper
 from .mode import ModeController, ModeSwitch
 from .routed import routed_context
+from .schema import SERVED_ARMS
 from .skipper import Phase
 from .spec import describe_skipper, parse_skipper_spec
 
@@ -54,7 +55,7 @@ __all__ = ["ARMS", "CompletionEngine", "TextAssembler"]
 logger = logging.getLogger(__name__)
 
 #: arm names: the paper's three serving arms, then the mode-switch mechanism ablations (Table 3)
-ARMS = ("upstream", "hybrid", "always-route", "prefill-only", "decode-only", "no-promotion", "never-route")
+ARMS = SERVED_ARMS
 _SWITCH_ARMS = {"hybrid": "served", "prefill-only": "prefill-only", "decode-only": "decode-only",
                 "no-promotion": "no-promotion", "never-route": "never-route"}
 

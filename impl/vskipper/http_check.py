@@ -67,7 +67,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .schema import Engine
+from .bench_serving import RESULT_KEYS, bench_serving, sglang_python_ok, sharegpt_json
+from .schema import SERVED_ARMS, BenchServing, Engine
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ __all__ = [
     "ARMS",
     "CHECKS",
     "COLUMNS",
+    "DEFAULT_CHECKS",
+    "SERVED_ARMS",
     "HYBRID_SWITCH",
     "check_arms",
     "default_skipper_specs",
@@ -83,14 +86,17 @@ __all__ = [
     "write_outputs",
 ]
 
-#: the paper's three serving arms (Sec. 4.1)
+#: the paper's three serving arms (Sec. 4.1), the default; any arm of :data:`SERVED_ARMS` may be checked
 ARMS = ("upstream", "hybrid", "always-route")
-#: the checks run per arm, in this order
-CHECKS = ("client_stream", "greedy_ids", "lm_eval", "endpoints")
-#: CSV columns, in order
+#: the checks, in the order they run per arm; ``bench_serving`` needs a Python with SGLang
+CHECKS = ("client_stream", "greedy_ids", "lm_eval", "endpoints", "bench_serving")
+#: the checks run when none are named
+DEFAULT_CHECKS = CHECKS[:4]
+#: CSV columns, in order (the timing columns: SGLang ``bench_serving``'s TTFT / TPOT / ITL [ms], output
+#: throughput [tokens/s], benchmark duration [s]; empty for the other checks)
 COLUMNS = ("model", "arm", "skipper", "check", "verdict", "detail", "requests", "max_tokens", "tokens_exact",
            "ids_match", "text_match", "metric", "metric_value", "served_requests", "routed_share", "skip_share",
-           "wall_s")
+           *RESULT_KEYS.values(), "wall_s")
 #: the hybrid arm's default mode switch (module docstring): routes every phase of every request at any
 #: load through the switch's planner, without timing-dependent probes
 HYBRID_SWITCH = dict(min_prefill_tokens=0, min_skip_share=0.0, probe_every=1_000_000, enter_threshold=1,
@@ -464,6 +470,15 @@ def _check_endpoints(server, prompt: Sequence[int]) -> dict:
     return dict(ok=ok, detail=detail, requests=len(bad) + 1)
 
 
+def _check_bench_serving(server, model_dir: Path, bench: BenchServing, dataset: Path, work: Path, seed: int) -> dict:
+    """``bench_serving``: SGLang's own streaming benchmark client against the arm
+    (:func:`impl.vskipper.bench_serving.bench_serving`)."""
+    rate = math.inf if bench.request_rate is None else float(bench.request_rate)
+    return bench_serving(server, model_dir, bench.python, dataset, work, num_prompts=bench.num_prompts,
+                         output_len=bench.output_len, context_len=bench.context_len,
+                         max_concurrency=bench.max_concurrency, request_rate=rate, seed=seed)
+
+
 # ======================================================================================================
 # Driver
 # ======================================================================================================
@@ -488,7 +503,8 @@ def check_arms(
     dtype: str = "float32",
     device: str = "cpu",
     seed: int = 1234,
-    checks: Sequence[str] = CHECKS,
+    checks: Sequence[str] = DEFAULT_CHECKS,
+    bench: BenchServing | None = None,
     reference: ReferenceFn | None = None,
     log_fn: Callable[[str], None] | None = None,
 ) -> list[dict]:
@@ -496,7 +512,7 @@ def check_arms(
 
     Args:
         model_dir: the Hugging Face model directory (with its tokenizer).
-        arms: arms among :data:`ARMS`.
+        arms: arms among :data:`SERVED_ARMS` (default: the paper's three, :data:`ARMS`).
         skipper_spec: the routed arms' policy, a spec or a list of specs
             (:func:`~impl.vskipper.spec.parse_skipper_spec`, e.g. ``"flexidepth:DIR"``,
             ``"randomskip:r=0.5,d=0.5"``); each routed arm runs once per spec, ``upstream`` once.
@@ -516,7 +532,9 @@ def check_arms(
         label: the ``model`` column (default: the directory's name; also the served model name).
         dtype, device: where the model runs.
         seed: lm-eval's seeds.
-        checks: which of :data:`CHECKS` to run.
+        checks: which of :data:`CHECKS` to run (default :data:`DEFAULT_CHECKS`).
+        bench: the ``bench_serving`` check's settings (:class:`~impl.vskipper.schema.BenchServing`; its
+            ``python`` is required with that check, ``data_dir`` too: the ShareGPT subset is read there).
         reference: the in-process reference, called like :func:`in_process_reference` (default) with
             the client checks' prompts and request ids in the order the server sees them; tests pass a
             wrong one to see the checks fail.
@@ -529,7 +547,9 @@ def check_arms(
 
     Raises:
         ValueError: for an unknown arm / check, a routed arm without a skipper, or ``lm_eval`` without
-            ``data_dir``; FileNotFoundError: for a missing model directory, prompt file or data file.
+            ``data_dir``, ``bench_serving`` without ``data_dir`` or ``bench.python`` or with a Python that
+            cannot run SGLang's client; FileNotFoundError: for a missing model directory, prompt file or
+            data file.
     """
     from impl.models.load import load_tokenizer
 
@@ -540,9 +560,9 @@ def check_arms(
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no model directory at {model_dir} (config.json missing)")
     arms = list(arms)
-    bad = [a for a in arms if a not in ARMS]
+    bad = [a for a in arms if a not in SERVED_ARMS]
     if bad:
-        raise ValueError(f"unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
+        raise ValueError(f"unknown arm(s) {bad}; choose from {', '.join(SERVED_ARMS)}")
     checks = list(checks)
     bad = [c for c in checks if c not in CHECKS]
     if bad:
@@ -553,16 +573,27 @@ def check_arms(
         raise ValueError("the routed arms need a skipper spec (e.g. 'randomskip:r=0.5,d=0.5' or 'flexidepth:DIR')")
     if "lm_eval" in checks and data_dir is None:
         raise ValueError("the lm_eval check needs data_dir (the folder holding gsm8k/)")
-    if prompts is None:
-        raise ValueError("pass prompts: token-id lists or a workload suite JSONL file")
+    if "bench_serving" in checks:
+        if data_dir is None:
+            raise ValueError("the bench_serving check needs data_dir (the folder holding chat/)")
+        if bench is None or bench.python is None:
+            raise ValueError("the bench_serving check needs vskipper.http.bench_serving.python (--sglang-python): "
+                             "a Python with SGLang installed (scripts/setup_sglang.sh)")
+        why = sglang_python_ok(bench.python)
+        if why:
+            raise ValueError(f"vskipper.http.bench_serving.python: {why}")
+    need_prompts = [c for c in checks if c in ("client_stream", "greedy_ids", "endpoints")]
+    if prompts is None and need_prompts:
+        raise ValueError(f"the {', '.join(need_prompts)} check(s) need prompts: token-id lists or a workload suite "
+                         "JSONL file")
     if isinstance(prompts, (str, os.PathLike)):
         prompts, _ = load_prompts(prompts, n_prompts)
-    prompts = [[int(t) for t in p] for p in list(prompts)[: int(n_prompts)]]
-    if not prompts or any(not p for p in prompts):
+    prompts = [[int(t) for t in p] for p in list(prompts or [])[: int(n_prompts)]]
+    if need_prompts and (not prompts or any(not p for p in prompts)):
         raise ValueError("need at least one non-empty prompt")
     label = label or model_dir.name
     reference = reference or in_process_reference
-    cb, ctx = _cb_overrides(model_dir, engine, len(prompts))
+    cb, ctx = _cb_overrides(model_dir, engine, max(len(prompts), bench.max_concurrency if bench else 1))
     sw = dict(HYBRID_SWITCH if switch is None else switch)
     tokenizer = load_tokenizer(model_dir)
     runs = [(a, None) for a in arms if a == "upstream"] + [(a, s) for s in specs for a in arms if a != "upstream"]
@@ -582,6 +613,7 @@ def check_arms(
             ts = write_task_yamls(data_dir, work / "tasks", ["gsm8k"], opts)
             with offline():
                 tm = TaskManager(include_path=str(ts.include_path), include_defaults=False)
+        sharegpt = sharegpt_json(data_dir, work / "sharegpt.json") if "bench_serving" in checks else None
         for arm, spec in runs:
             spec_s = None if spec is None else str(spec)
             tag = f"{label}/{arm}" + (f" [{spec_s}]" if spec_s else "")
@@ -622,6 +654,8 @@ def check_arms(
                             res = _check_ids(server, prompts, rids[check], refs[check], max_tokens)
                         elif check == "lm_eval":
                             res = _check_lm_eval(server, model_dir, tm, limit, seed)
+                        elif check == "bench_serving":
+                            res = _check_bench_serving(server, model_dir, bench, sharegpt, work, seed)
                         else:
                             res = _check_endpoints(server, prompts[0])
                     except Exception as e:  # noqa: BLE001 - a broken check is a FAIL row, the others still run

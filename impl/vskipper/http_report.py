@@ -13,10 +13,15 @@ from pathlib import Path
 
 import pandas as pd
 
-__all__ = ["load_rows", "verdict_table", "report_section"]
+__all__ = ["load_rows", "verdict_table", "bench_serving_table", "report_section"]
 
 _CHECK_TITLES = {"client_stream": "OpenAI client (ignore_eos, stream)", "greedy_ids": "greedy ids = in-process",
-                 "lm_eval": "lm-eval local-completions", "endpoints": "health / models / 4xx"}
+                 "lm_eval": "lm-eval local-completions", "endpoints": "health / models / 4xx",
+                 "bench_serving": "SGLang bench_serving"}
+#: ``bench_serving`` timing columns of the rows -> table titles
+_BENCH_COLUMNS = {"ttft_ms": "TTFT mean [ms]", "ttft_ms_median": "TTFT median [ms]", "tpot_ms": "TPOT mean [ms]",
+                  "tpot_ms_median": "TPOT median [ms]", "itl_ms": "ITL mean [ms]", "output_tok_s": "output [tok/s]",
+                  "bench_s": "duration [s]"}
 
 
 def _short(spec) -> str:
@@ -40,12 +45,14 @@ def load_rows(rows_dir: str | os.PathLike) -> pd.DataFrame:
 
 def verdict_table(rows: pd.DataFrame) -> pd.DataFrame:
     """One line per (model, arm, skipper): each check's verdict, the routed and Project-Only shares
-    (after the greedy-ids check), lm-eval's metric value and the requests it served."""
+    (after the greedy-ids check), lm-eval's metric value and the requests it served. A check no row ran
+    gets no column."""
     out = []
+    titles = {c: t for c, t in _CHECK_TITLES.items() if (rows["check"] == c).any()}
     for (model, arm, sk), g in rows.groupby(["model", "arm", "skipper"], sort=False, dropna=False):
         line = {"model": model, "arm": arm, "skipper": _short(sk)}
         by = {r["check"]: r for _, r in g.iterrows()}
-        for c, title in _CHECK_TITLES.items():
+        for c, title in titles.items():
             line[title] = by[c]["verdict"] if c in by else "-"
         ref = by.get("greedy_ids", g.iloc[0])
         line["routed share"] = ref.get("routed_share")
@@ -59,6 +66,19 @@ def verdict_table(rows: pd.DataFrame) -> pd.DataFrame:
         df[c] = [_num(v, "{:.3f}") for v in df[c]]
     df["lm-eval requests"] = [_num(v, "{:.0f}") for v in df["lm-eval requests"]]
     return df
+
+
+def bench_serving_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """One line per ``bench_serving`` row (model, arm, skipper): the verdict, requests completed and
+    SGLang's TTFT / TPOT / ITL [ms], output throughput [tokens/s] and duration [s]; empty when none ran."""
+    b = rows[rows["check"] == "bench_serving"]
+    if not len(b):
+        return pd.DataFrame()
+    df = pd.DataFrame({"model": b["model"], "arm": b["arm"], "skipper": [_short(s) for s in b["skipper"]],
+                       "verdict": b["verdict"], "requests": [_num(v, "{:.0f}") for v in b["requests"]]})
+    for col, title in _BENCH_COLUMNS.items():
+        df[title] = [_num(v, "{:.1f}") for v in (b[col] if col in b else [None] * len(b))]
+    return df.reset_index(drop=True)
 
 
 def _num(v, fmt: str) -> str:
@@ -103,6 +123,15 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
     lines += ["", f"All checks: **{'PASS' if n_pass == len(rows) else 'FAIL'}** ({n_pass}/{len(rows)}).", ""]
     lines += ["### Engine arms over HTTP: verdicts", "",
               verdict_table(rows).to_markdown(index=False, disable_numparse=True), ""]
+    bench = bench_serving_table(rows)
+    if len(bench):
+        lines += ["### SGLang bench_serving against every arm", "",
+                  "SGLang's own benchmark client, unmodified (`python -m sglang.bench_serving --backend vllm`, from "
+                  "the SGLang environment of scripts/setup_sglang.sh; impl/vskipper/bench_serving.py), streaming "
+                  "`ignore_eos` requests of the offline ShareGPT subset with the model's chat template, one warm-up "
+                  "request; PASS = every request completed with its full output and finite TTFT / TPOT. Timings are "
+                  "this machine's, arms served one after another, not a paired comparison.", "",
+                  bench.to_markdown(index=False, disable_numparse=True), ""]
     bad = rows[rows["verdict"] != "PASS"]
     if len(bad):
         lines += ["### Failing checks", "",

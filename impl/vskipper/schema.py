@@ -98,11 +98,14 @@ from pydantic.json_schema import SkipJsonSchema
 from ..sections import Section, section_defaults, section_schema, typed_section
 
 __all__ = ["VskipperSection", "vskipper_section", "SECTION", "DEFAULTS", "DEFAULT_LOAD_POINTS", "ABLATION_ARMS",
+           "SERVED_ARMS",
            "QUALITY_TASKS", "QUALITY_DEFAULTS", "SERVED_DEFAULTS", "CROSS_DEFAULTS", "served_knee_workload",
            "transfer_settings", "target_config", "check"]
 
 #: ablation arm names (a subset of :data:`impl.vskipper.mode.ABLATIONS`; no torch import here)
 ABLATION_ARMS = ("prefill-only", "decode-only", "no-promotion", "always-route")
+#: every engine arm the server serves (:class:`impl.vskipper.driver.CompletionEngine`), in order
+SERVED_ARMS = ("upstream", "hybrid", "always-route", "prefill-only", "decode-only", "no-promotion", "never-route")
 #: tasks the quality rule may score
 QUALITY_TASKS = ("gsm8k", "bbh", "coqa")
 _NAME = "^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # model / device names: safe as one path component
@@ -204,6 +207,23 @@ class Bench(Section):
     wide_heads: PosInt | SkipJsonSchema[None] = None
 
 
+class BenchServing(Section):
+    """``vskipper.http.bench_serving``: SGLang's ``bench_serving`` client against every served arm
+    (:mod:`impl.vskipper.bench_serving`); off while ``python`` is null."""
+
+    python: str | None = Field(None, description="a Python with SGLang installed (scripts/setup_sglang.sh: "
+                                                 ".venv-sglang/bin/python); null: the check does not run")
+    num_prompts: PosInt = Field(8, description="measured requests per arm (after one warm-up)")
+    output_len: Annotated[int, Field(ge=4)] = Field(32, description="tokens per request, EOS ignored")
+    context_len: Annotated[int, Field(ge=8)] = Field(512, description="longest prompt + output kept [tokens]")
+    max_concurrency: PosInt = Field(4, description="requests in flight")
+    request_rate: PosNum | None = Field(None, description="Poisson arrivals [requests/s]; null: all at once")
+    models: list[Name] | None = Field(None, description="models measured (rule vskipper_bench_serving); "
+                                                        "null: every model of the config")
+    arms: Annotated[list[Literal[SERVED_ARMS]], Field(min_length=1, json_schema_extra=_UNIQUE)] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(SERVED_ARMS), description="arms measured (default: every served arm)")
+
+
 class Http(Section):
     """``vskipper.http``: every engine arm over HTTP on every tiny model (rule vskipper_http)."""
 
@@ -212,6 +232,7 @@ class Http(Section):
     limit: PosInt = Field(4, description="GSM8K documents served to lm-eval local-completions")
     r: Fraction = 0.5
     d: Fraction = 0.5
+    bench_serving: BenchServing = Field(default_factory=BenchServing)
 
 
 class MaxGenToks(Section):
@@ -472,6 +493,18 @@ def target_config(cfg: dict[str, Any], *, model: str | None = None, device: str 
     return validate_config(out, check_paths=False)
 
 
+def _check_bench_serving(cfg: dict[str, Any], v: dict[str, Any]) -> None:
+    from pathlib import Path
+
+    b = (v.get("http") or {}).get("bench_serving") or {}
+    if b.get("python") and not Path(b["python"]).is_file():
+        raise _error(f"'vskipper.http.bench_serving.python' = '{b['python']}' is not a file (create the SGLang "
+                     "environment with scripts/setup_sglang.sh, or set it to null)")
+    for i, m in enumerate(b.get("models") or []):
+        if m not in cfg["models"]:
+            raise _error(f"'vskipper.http.bench_serving.models[{i}]' names '{m}', which is not a key of 'models'")
+
+
 def check(cfg: dict[str, Any]) -> None:
     """Cross-checks of the merged ``vskipper`` section against the whole config.
 
@@ -483,13 +516,15 @@ def check(cfg: dict[str, Any]) -> None:
     ``cross_model.workload`` / ``point`` name a load workload / load point when a target is given); for tiny models,
     ``vskipper.flexidepth.routed_layers`` lie in ``[0, tiny_arch.num_layers)``, and the longest request
     (``max_prompt_tokens + vskipper.max_new_tokens``) and ``vskipper.profile.decode_context + 1`` fit the
-    context.
+    context; ``vskipper.http.bench_serving.python``, when set, is an existing file (the SGLang
+    environment of ``scripts/setup_sglang.sh``) and its ``models[i]`` are keys of ``models``.
 
     Raises:
         impl.config.ConfigError: one line naming the key.
     """
     v = cfg["vskipper"]
     v.setdefault("load_points", dict(DEFAULT_LOAD_POINTS))
+    _check_bench_serving(cfg, v)
     if v.get("quality") is not None:
         _check_quality(cfg, v)
     if v["model"] not in cfg["models"]:

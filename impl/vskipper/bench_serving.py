@@ -1,0 +1,189 @@
+"""SGLang's own serving benchmark (``python -m sglang.bench_serving``) against one served engine arm.
+
+The vSkipper paper measures its arms with SGLang's ``bench_serving`` (Sec. 4.1): streaming
+``/v1/completions`` requests with ``ignore_eos``, TTFT, TPOT and ITL per request. This module runs that
+client, unmodified, from the Python environment that has SGLang installed (``scripts/setup_sglang.sh``
+makes ``.venv-sglang``; SGLang pins its own torch, so it cannot share the project's environment), as a
+subprocess against an arm served by :func:`impl.vskipper.server.serve`, and turns its result line into
+a PASS / FAIL verdict:
+
+- the client runs ``--backend vllm`` (the OpenAI completions client the paper uses) with streaming on,
+  ``--dataset-name sharegpt`` over the offline ShareGPT subset (``<data_dir>/chat/sharegpt_v3_subset.jsonl``,
+  converted to the JSON list the client reads; its first human turn is the prompt, with the model's
+  chat template applied by the client when the model directory has one), a fixed output length, a maximum context (prompt + output, in
+  tokens) and a concurrency cap;
+- PASS when the client's result line says every request completed (``completed == num_prompts``,
+  every per-request ``errors`` entry empty), produced exactly ``num_prompts * output_len`` tokens
+  (``ignore_eos``), the engine served them without a failure, and TTFT / TPOT / ITL are finite.
+
+The result columns are the client's own: mean and median TTFT, TPOT and ITL in milliseconds, output
+throughput in tokens per second, the benchmark's duration in seconds. Timings are those of whatever
+machine ran them; they are reported, not compared here (the knee and matched-work protocol compare arms).
+
+Offline: the client is started with ``HF_HUB_OFFLINE=1`` and the model directory as ``--model`` and
+``--tokenizer``, so it never reaches the Hub; ``--served-model-name`` is the name the arm serves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SHAREGPT_FILE", "RESULT_KEYS", "bench_serving", "has_chat_template", "sharegpt_json", "sglang_python_ok"]
+
+#: the offline ShareGPT subset, relative to the data folder (../shared/data/SOURCES.md)
+SHAREGPT_FILE = "chat/sharegpt_v3_subset.jsonl"
+#: the client's result keys copied into the row, with the row's column names
+RESULT_KEYS = {"mean_ttft_ms": "ttft_ms", "median_ttft_ms": "ttft_ms_median", "mean_tpot_ms": "tpot_ms",
+               "median_tpot_ms": "tpot_ms_median", "mean_itl_ms": "itl_ms", "output_throughput": "output_tok_s",
+               "duration": "bench_s"}
+
+
+def sglang_python_ok(python: str | os.PathLike, timeout_s: float = 300.0) -> str | None:
+    """None when ``python -m sglang.bench_serving --help`` runs in that interpreter, else why not (one line).
+
+    Args:
+        python: path of a Python interpreter with SGLang installed.
+        timeout_s: seconds the import may take (SGLang imports torch; tens of seconds on 2 cores).
+    """
+    p = Path(python)
+    if not p.is_file():
+        return f"no Python at {p} (scripts/setup_sglang.sh creates .venv-sglang/bin/python)"
+    try:
+        r = subprocess.run([str(p), "-m", "sglang.bench_serving", "--help"], capture_output=True, text=True,
+                           timeout=timeout_s, env=_client_env())
+    except subprocess.TimeoutExpired:
+        return f"{p} -m sglang.bench_serving --help did not finish in {timeout_s:.0f} s"
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return f"{p} -m sglang.bench_serving --help failed (rc {r.returncode}): {tail[0][:200]}"
+    return None
+
+
+def sharegpt_json(data_dir: str | os.PathLike, out: str | os.PathLike, max_records: int = 400) -> Path:
+    """Write the first ``max_records`` conversations of the offline ShareGPT subset as the JSON list that
+    ``bench_serving --dataset-name sharegpt`` reads (records verbatim: ``id``, ``conversations``).
+
+    Raises:
+        FileNotFoundError: when ``<data_dir>/chat/sharegpt_v3_subset.jsonl`` is missing.
+    """
+    src = Path(data_dir) / SHAREGPT_FILE
+    if not src.is_file():
+        raise FileNotFoundError(f"no ShareGPT subset at {src} (data_dir/{SHAREGPT_FILE})")
+    records = []
+    with open(src, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                records.append(json.loads(line))
+            if len(records) >= max_records:
+                break
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records), encoding="utf-8")
+    return out
+
+
+def has_chat_template(model_dir: str | os.PathLike) -> bool:
+    """Whether a Hugging Face model directory ships a chat template (``chat_template.jinja``, or a
+    ``chat_template`` key in ``tokenizer_config.json``)."""
+    d = Path(model_dir)
+    if (d / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def _client_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLike, dataset: str | os.PathLike,
+                  work: str | os.PathLike, *, num_prompts: int = 8, output_len: int = 32, context_len: int = 512,
+                  max_concurrency: int = 4, request_rate: float = math.inf, seed: int = 1234,
+                  chat_template: bool | None = None, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Run SGLang's ``bench_serving`` (streaming, ``--backend vllm``) against a served arm and judge it.
+
+    Args:
+        server: the running server of :func:`impl.vskipper.server.serve` (``url``, ``engine``).
+        model_dir: the served model's directory (the client's tokenizer).
+        python: the interpreter with SGLang installed.
+        dataset: the ShareGPT JSON list (:func:`sharegpt_json`).
+        work: a folder for the client's result file.
+        num_prompts: requests measured (after one warm-up request).
+        output_len: tokens per request (EOS ignored).
+        context_len: longest prompt + output the client keeps [tokens].
+        max_concurrency: requests the client keeps in flight.
+        request_rate: Poisson arrival rate [requests/s]; ``inf`` sends them all at once.
+        seed: the client's sampling seed of the dataset.
+        chat_template: wrap each prompt in the model's chat template (``--apply-chat-template``); None:
+            when the model directory has one (:func:`has_chat_template`).
+        timeout_s: wall-clock limit of the client [s].
+
+    Returns:
+        ``ok``, ``detail`` and the row's columns: ``requests``, ``max_tokens``, ``tokens_exact``,
+        ``served_requests`` and the timing columns of :data:`RESULT_KEYS` (ms, tokens/s, s).
+    """
+    eng = server.engine
+    out = Path(work) / f"bench_serving_{eng.arm}_{int(time.time() * 1000)}.jsonl"
+    before = int(eng.counters["requests"])
+    failed_before = int(eng.counters["failed"])
+    cmd = [str(python), "-m", "sglang.bench_serving", "--backend", "vllm", "--base-url", server.url,
+           "--model", str(model_dir), "--served-model-name", eng.served_model_name, "--tokenizer", str(model_dir),
+           "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+           "--num-prompts", str(int(num_prompts)), "--sharegpt-output-len", str(int(output_len)),
+           "--sharegpt-context-len", str(int(context_len)), "--max-concurrency", str(int(max_concurrency)),
+           "--request-rate", "inf" if math.isinf(request_rate) else str(float(request_rate)),
+           "--seed", str(int(seed)), "--warmup-requests", "1", "--output-file", str(out), "--output-details",
+           "--disable-tqdm", "--ready-check-timeout-sec", "30"]
+    templated = has_chat_template(model_dir) if chat_template is None else bool(chat_template)
+    if templated:
+        cmd.append("--apply-chat-template")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_client_env())
+    except subprocess.TimeoutExpired:
+        return dict(ok=False, detail=f"bench_serving did not finish in {timeout_s:.0f} s", requests=int(num_prompts))
+    res = None
+    if out.is_file():
+        lines = [ln for ln in out.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        res = json.loads(lines[-1]) if lines else None
+    if r.returncode != 0 or res is None:
+        tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])[:400]
+        return dict(ok=False, detail=f"bench_serving exited {r.returncode} without a result line: {tail}",
+                    requests=int(num_prompts))
+    errors = [e for e in (res.get("errors") or []) if e]
+    completed = int(res.get("completed") or 0)
+    total_out = int(res.get("total_output_tokens") or 0)
+    cols = {col: res.get(key) for key, col in RESULT_KEYS.items()}
+    finite = all(isinstance(cols[c], (int, float)) and math.isfinite(cols[c])
+                 for c in ("ttft_ms", "tpot_ms", "itl_ms"))
+    served = int(eng.counters["requests"]) - before
+    failed = int(eng.counters["failed"]) - failed_before
+    want_tokens = int(num_prompts) * int(output_len)
+    ok = completed == int(num_prompts) and not errors and total_out == want_tokens and finite and failed == 0
+    detail = (f"sglang.bench_serving --backend vllm, streaming ShareGPT prompts"
+              f"{' (chat template)' if templated else ''}, concurrency "
+              f"{int(max_concurrency)}: {completed}/{int(num_prompts)} completed, {total_out}/{want_tokens} tokens, "
+              f"mean TTFT {_ms(cols['ttft_ms'])}, mean TPOT {_ms(cols['tpot_ms'])}, {served} requests served "
+              f"(1 warm-up)")
+    if not ok:
+        why = [f"{len(errors)} request errors: {errors[0][:160]!r}"] if errors else []
+        why += [f"{failed} engine failures"] if failed else []
+        why += ["a timing is not finite"] if not finite else []
+        detail += "; " + ("; ".join(why) or "counts differ")
+    return dict(ok=ok, detail=detail, requests=int(num_prompts), max_tokens=int(output_len),
+                tokens_exact=total_out == want_tokens, served_requests=served,
+                **{c: (round(float(v), 3) if isinstance(v, (int, float)) else None) for c, v in cols.items()})
+
+
+def _ms(v: Any) -> str:
+    return f"{float(v):.1f} ms" if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"

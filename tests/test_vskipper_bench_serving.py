@@ -1,0 +1,194 @@
+"""SGLang's bench_serving against served arms (impl/vskipper/bench_serving.py and its check in
+impl/vskipper/http_check.py).
+
+Without SGLang: a stand-in client (an executable that takes bench_serving's arguments and writes the
+result line it is told to) checks the verdict rules: all requests completed with every token and
+finite timings is PASS; request errors, missing tokens, a crash or no result line are FAIL with the
+reason; the ShareGPT subset is converted to the JSON list the client reads; a missing interpreter or
+one without SGLang is refused before any arm is served; the config check names the key; the report
+renders the timing table.
+
+With SGLang (``.venv-sglang/bin/python`` from scripts/setup_sglang.sh, or ``$SGLANG_PYTHON``): the real
+client, unmodified, against every served arm of a tiny model; every request succeeds and TTFT / TPOT
+are reported. Skipped where that environment is absent (CI does not install its 11 GB).
+"""
+
+import json
+import math
+import os
+import stat
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from impl.vskipper import bench_serving as bs
+from impl.vskipper.schema import SERVED_ARMS, BenchServing
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE = '''#!{python}
+import json, os, sys
+a = sys.argv[1:]
+assert a[:2] == ["-m", "sglang.bench_serving"], a
+if "--help" in a:
+    sys.exit(int(os.environ.get("FAKE_HELP_RC", "0")))
+opt = dict(zip(a[2::2], a[3::2]))
+mode = os.environ.get("FAKE_MODE", "ok")
+n, out_len = int(opt["--num-prompts"]), int(opt["--sharegpt-output-len"])
+with open(os.environ["FAKE_ARGV"], "w") as f:
+    json.dump(a, f)
+if mode == "crash":
+    sys.stderr.write("Traceback ...\\nIndexError: list index out of range\\n")
+    sys.exit(1)
+res = dict(completed=n, total_output_tokens=n * out_len, mean_ttft_ms=12.5, median_ttft_ms=11.0,
+           mean_tpot_ms=3.25, median_tpot_ms=3.0, mean_itl_ms=3.3, output_throughput=250.0, duration=1.5,
+           errors=[""] * n)
+if mode == "errors":
+    res.update(completed=n - 1, total_output_tokens=(n - 1) * out_len, errors=["Bad Request: no"] + [""] * (n - 1))
+if mode == "short":
+    res.update(total_output_tokens=n * out_len - 3)
+if mode == "nan":
+    res.update(mean_tpot_ms=float("nan"))
+with open(opt["--output-file"], "a") as f:
+    f.write(json.dumps(res) + "\\n")
+'''
+
+
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch):
+    p = tmp_path / "fake-python"
+    p.write_text(FAKE.format(python=sys.executable))
+    p.chmod(p.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("FAKE_ARGV", str(tmp_path / "argv.json"))
+    return p
+
+
+def _server(failed_after: int = 0):
+    eng = types.SimpleNamespace(arm="hybrid", served_model_name="tiny", counters={"requests": 0, "failed": 0})
+    return types.SimpleNamespace(url="http://127.0.0.1:9", engine=eng)
+
+
+def test_verdicts(fake_python, tmp_path, monkeypatch, data_dir):
+    ds = bs.sharegpt_json(data_dir, tmp_path / "sg.json", max_records=5)
+    recs = json.loads(ds.read_text())
+    assert len(recs) == 5 and recs[0]["conversations"][0]["from"] == "human"
+    run = lambda **kw: bs.bench_serving(_server(), tmp_path / "model", fake_python, ds, tmp_path,  # noqa: E731
+                                        num_prompts=4, output_len=8, seed=7, **kw)
+    r = run()
+    assert r["ok"] and r["tokens_exact"] and r["requests"] == 4 and r["max_tokens"] == 8
+    assert (r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["output_tok_s"], r["bench_s"]) == (12.5, 3.25, 3.3, 250.0, 1.5)
+    assert "4/4 completed, 32/32 tokens, mean TTFT 12.5 ms, mean TPOT 3.2 ms" in r["detail"]
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    opt = dict(zip(argv[2::2], argv[3::2]))
+    assert opt["--backend"] == "vllm" and opt["--served-model-name"] == "tiny" and opt["--dataset-name"] == "sharegpt"
+    assert opt["--request-rate"] == "inf" and opt["--seed"] == "7" and "--disable-stream" not in argv
+    assert "--apply-chat-template" not in argv  # the model directory has no chat template
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "chat_template.jinja").write_text("{{ messages }}")
+    assert bs.has_chat_template(tmp_path / "model") and "(chat template)" in run()["detail"]
+    assert "--apply-chat-template" in json.loads((tmp_path / "argv.json").read_text())
+    assert run(request_rate=2.0)["ok"] and json.loads((tmp_path / "argv.json").read_text())[
+        argv.index("--request-rate") + 1] == "2.0"
+    for mode, why in (("errors", "1 request errors: 'Bad Request: no'"), ("short", "29/32 tokens"),
+                      ("nan", "a timing is not finite"), ("crash", "exited 1 without a result line")):
+        monkeypatch.setenv("FAKE_MODE", mode)
+        r = run()
+        assert not r["ok"] and why in r["detail"], (mode, r["detail"])
+    assert "IndexError" in r["detail"]  # the client's own last line is quoted
+
+
+def test_refused_before_serving(fake_python, tmp_path, monkeypatch, data_dir):
+    from impl.vskipper.http_check import check_arms
+
+    assert bs.sglang_python_ok(fake_python) is None
+    assert "no Python at" in bs.sglang_python_ok(tmp_path / "nope")
+    monkeypatch.setenv("FAKE_HELP_RC", "3")
+    assert "failed (rc 3)" in bs.sglang_python_ok(fake_python)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="bench_serving.python: .*failed \\(rc 3\\)"):
+        check_arms(tmp_path / "m", ["upstream"], checks=["bench_serving"], data_dir=data_dir,
+                   bench=BenchServing(python=str(fake_python)))
+    with pytest.raises(ValueError, match="needs vskipper.http.bench_serving.python"):
+        check_arms(tmp_path / "m", ["upstream"], checks=["bench_serving"], data_dir=data_dir, bench=BenchServing())
+    with pytest.raises(ValueError, match="needs data_dir"):
+        check_arms(tmp_path / "m", ["upstream"], checks=["bench_serving"], bench=BenchServing(python="x"))
+    with pytest.raises(ValueError, match="need prompts"):
+        check_arms(tmp_path / "m", ["upstream"], checks=["endpoints"])
+    with pytest.raises(FileNotFoundError, match="no ShareGPT subset"):
+        bs.sharegpt_json(tmp_path, tmp_path / "x.json")
+
+
+def test_config_check_names_the_key():
+    import copy
+
+    from impl.config import ConfigError, read_yaml, validate_config
+
+    base = read_yaml(REPO / "configs" / "default.yaml")
+
+    def check(bench):
+        cfg = copy.deepcopy(base)
+        cfg["vskipper"]["http"]["bench_serving"] = bench
+        return validate_config(cfg, check_paths=False)
+
+    with pytest.raises(ConfigError, match="'vskipper.http.bench_serving.python' = '/no/such/python' is not a file"):
+        check({"python": "/no/such/python"})
+    with pytest.raises(ConfigError, match="bench_serving.models\\[0\\]' names 'gpt9'"):
+        check({"python": sys.executable, "models": ["gpt9"]})
+    with pytest.raises(ConfigError, match="vskipper.http.bench_serving.arms"):
+        check({"arms": ["sideways"]})
+    with pytest.raises(ConfigError, match="vskipper.http.bench_serving.num_prompts"):
+        check({"num_prompts": 0})
+    b = check({"python": sys.executable, "num_prompts": 3})["vskipper"]["http"]["bench_serving"]
+    assert b["num_prompts"] == 3 and b["arms"] == list(SERVED_ARMS) and b["output_len"] == 32
+    overlay = read_yaml(REPO / "configs" / "bench_serving.yaml")["vskipper"]["http"]["bench_serving"]
+    assert overlay["python"] == ".venv-sglang/bin/python"
+
+
+def test_report_table(tmp_path):
+    from impl.vskipper.http_check import _row, write_outputs
+    from impl.vskipper.http_report import report_section
+
+    rows = [_row("smollm2", arm, None if arm == "upstream" else "randomskip:r=0.5,d=0.5", "bench_serving", True,
+                 "ok", requests=8, ttft_ms=100.0 + i, tpot_ms=20.5, itl_ms=20.0, output_tok_s=40.0, bench_s=6.4)
+            for i, arm in enumerate(("upstream", "hybrid"))]
+    write_outputs(rows, tmp_path / "http" / "smollm2.bench_serving.csv")
+    text = "\n".join(report_section(tmp_path / "http", tmp_path, tmp_path))
+    assert "### SGLang bench_serving against every arm" in text
+    assert "| smollm2 | hybrid   | RandomSkip r=0.5 d=0.5 | PASS      | 8          | 101.0" in text
+    assert "| SGLang bench_serving " in text and "OpenAI client" not in text  # only the checks that ran
+
+
+def _sglang_python():
+    p = os.environ.get("SGLANG_PYTHON") or str(REPO / ".venv-sglang" / "bin" / "python")
+    return p if Path(p).is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_sglang_python() is None, reason="no SGLang environment (scripts/setup_sglang.sh)")
+def test_real_bench_serving_every_arm(tmp_path, tiny_tokenizer, data_dir):
+    """SGLang's own client, unmodified, completes a streaming run against every served arm."""
+    import torch
+
+    from conftest import save_wide_llama
+    from impl.vskipper.http_check import check_arms
+    from impl.vskipper.schema import Engine
+
+    d = tmp_path / "model"
+    save_wide_llama(d, tiny_tokenizer, 128)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = check_arms(d, list(SERVED_ARMS), "randomskip:r=0.5,d=0.5,seed=3", checks=["bench_serving"],
+                          data_dir=data_dir, label="tiny", engine=Engine(page_size=16),
+                          bench=BenchServing(python=_sglang_python(), num_prompts=4, output_len=8, context_len=120,
+                                             max_concurrency=2))
+    finally:
+        torch.set_num_threads(prev)
+    assert [r["arm"] for r in rows] == list(SERVED_ARMS)
+    bad = [(r["arm"], r["detail"]) for r in rows if r["verdict"] != "PASS"]
+    assert not bad, bad
+    for r in rows:
+        assert r["tokens_exact"] and r["served_requests"] == 5  # 4 measured + 1 warm-up
+        assert all(math.isfinite(r[c]) and r[c] > 0 for c in ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s"))

@@ -593,7 +593,8 @@ def check_arms(
         raise ValueError("need at least one non-empty prompt")
     label = label or model_dir.name
     reference = reference or in_process_reference
-    cb, ctx = _cb_overrides(model_dir, engine, max(len(prompts), bench.max_concurrency if bench else 1))
+    in_flight = max(len(prompts), bench.max_concurrency if "bench_serving" in checks else 1)
+    cb, ctx = _cb_overrides(model_dir, engine, in_flight)
     sw = dict(HYBRID_SWITCH if switch is None else switch)
     tokenizer = load_tokenizer(model_dir)
     runs = [(a, None) for a in arms if a == "upstream"] + [(a, s) for s in specs for a in arms if a != "upstream"]

@@ -95,14 +95,28 @@ def test_profile_settings():
         assert "gres" not in str(r.get("slurm_extra", "")) and "gpus" not in str(r.get("slurm_extra", ""))
 
 
-@pytest.mark.parametrize("extra", [["--configfile", "configs/smoke.yaml"], []], ids=["smoke", "default"])
+#: rules a config must turn on (vskipper_bench_serving: vskipper.http.bench_serving.python, a Python with SGLang)
+OPT_IN_RULES = ("vskipper_bench_serving",)
+
+
+@pytest.mark.parametrize("extra", [["--configfile", "configs/smoke.yaml"], [],
+                                   ["--configfile", "configs/smoke.yaml", "bench_serving.yaml"]],
+                         ids=["smoke", "default", "smoke+bench_serving"])
 def test_profile_dry_run(workdir, extra):
+    opt_in = "bench_serving.yaml" in extra
+    if opt_in:  # the overlay of configs/bench_serving.yaml, with a Python that exists here
+        (workdir / "bench_serving.yaml").write_text(
+            f"vskipper: {{http: {{bench_serving: {{python: {sys.executable}, models: [tiny-ls]}}}}}}\n")
     p = _run(workdir, "--profile", "profiles/slurm", "-n", *extra)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "Using profile profiles/slurm" in out
     # the default compares tiny-ls with smollm2 (two tokenizers): no shared-context rule there
-    expected = [r for r in ALL_RULES if not (not extra and r == "ead_shared")]
+    expected = [r for r in ALL_RULES if not (not extra and r == "ead_shared") and (opt_in or r not in OPT_IN_RULES)]
+    if not opt_in:
+        assert not re.search(r"^rule vskipper_bench_serving:", out, re.M)
+    else:
+        assert len(re.findall(r"^rule vskipper_bench_serving:", out, re.M)) == 1  # models: [tiny-ls]
     for rule in expected:
         assert re.search(rf"^rule {rule}:", out, re.M), f"rule {rule} not in the dry-run plan"
     if not extra:

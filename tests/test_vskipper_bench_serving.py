@@ -83,10 +83,8 @@ def test_verdicts(fake_python, tmp_path, monkeypatch, data_dir):
     opt = dict(zip(argv[2::2], argv[3::2]))
     assert opt["--backend"] == "vllm" and opt["--served-model-name"] == "tiny" and opt["--dataset-name"] == "sharegpt"
     assert opt["--request-rate"] == "inf" and opt["--seed"] == "7" and "--disable-stream" not in argv
-    assert "--apply-chat-template" not in argv  # the model directory has no chat template
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "chat_template.jinja").write_text("{{ messages }}")
-    assert bs.has_chat_template(tmp_path / "model") and "(chat template)" in run()["detail"]
+    assert "--apply-chat-template" not in argv  # a tokenizer without a chat template
+    assert "(chat template)" in run(chat_template=True)["detail"]
     assert "--apply-chat-template" in json.loads((tmp_path / "argv.json").read_text())
     assert run(request_rate=2.0)["ok"] and json.loads((tmp_path / "argv.json").read_text())[
         argv.index("--request-rate") + 1] == "2.0"

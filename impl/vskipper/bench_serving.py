@@ -10,7 +10,7 @@ a PASS / FAIL verdict:
 - the client runs ``--backend vllm`` (the OpenAI completions client the paper uses) with streaming on,
   ``--dataset-name sharegpt`` over the offline ShareGPT subset (``<data_dir>/chat/sharegpt_v3_subset.jsonl``,
   converted to the JSON list the client reads; its first human turn is the prompt, with the model's
-  chat template applied by the client when the model directory has one), a fixed output length, a maximum context (prompt + output, in
+  chat template applied by the client when the model's tokenizer has one), a fixed output length, a maximum context (prompt + output, in
   tokens) and a concurrency cap;
 - PASS when the client's result line says every request completed (``completed == num_prompts``,
   every per-request ``errors`` entry empty), produced exactly ``num_prompts * output_len`` tokens
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SHAREGPT_FILE", "RESULT_KEYS", "bench_serving", "has_chat_template", "sharegpt_json", "sglang_python_ok"]
+__all__ = ["SHAREGPT_FILE", "RESULT_KEYS", "bench_serving", "sharegpt_json", "sglang_python_ok"]
 
 #: the offline ShareGPT subset, relative to the data folder (../shared/data/SOURCES.md)
 SHAREGPT_FILE = "chat/sharegpt_v3_subset.jsonl"
@@ -88,18 +88,6 @@ def sharegpt_json(data_dir: str | os.PathLike, out: str | os.PathLike, max_recor
     return out
 
 
-def has_chat_template(model_dir: str | os.PathLike) -> bool:
-    """Whether a Hugging Face model directory ships a chat template (``chat_template.jinja``, or a
-    ``chat_template`` key in ``tokenizer_config.json``)."""
-    d = Path(model_dir)
-    if (d / "chat_template.jinja").is_file():
-        return True
-    try:
-        return bool(json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
-    except (OSError, ValueError):
-        return False
-
-
 def _client_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
@@ -110,7 +98,7 @@ def _client_env() -> dict[str, str]:
 def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLike, dataset: str | os.PathLike,
                   work: str | os.PathLike, *, num_prompts: int = 8, output_len: int = 32, context_len: int = 512,
                   max_concurrency: int = 4, request_rate: float = math.inf, seed: int = 1234,
-                  chat_template: bool | None = None, timeout_s: float = 1800.0) -> dict[str, Any]:
+                  chat_template: bool = False, timeout_s: float = 1800.0) -> dict[str, Any]:
     """Run SGLang's ``bench_serving`` (streaming, ``--backend vllm``) against a served arm and judge it.
 
     Args:
@@ -125,8 +113,8 @@ def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLik
         max_concurrency: requests the client keeps in flight.
         request_rate: Poisson arrival rate [requests/s]; ``inf`` sends them all at once.
         seed: the client's sampling seed of the dataset.
-        chat_template: wrap each prompt in the model's chat template (``--apply-chat-template``); None:
-            when the model directory has one (:func:`has_chat_template`).
+        chat_template: wrap each prompt in the model's chat template (``--apply-chat-template``; pass
+            whether the model's tokenizer has one).
         timeout_s: wall-clock limit of the client [s].
 
     Returns:
@@ -145,7 +133,7 @@ def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLik
            "--request-rate", "inf" if math.isinf(request_rate) else str(float(request_rate)),
            "--seed", str(int(seed)), "--warmup-requests", "1", "--output-file", str(out), "--output-details",
            "--disable-tqdm", "--ready-check-timeout-sec", "30"]
-    templated = has_chat_template(model_dir) if chat_template is None else bool(chat_template)
+    templated = bool(chat_template)
     if templated:
         cmd.append("--apply-chat-template")
     try:

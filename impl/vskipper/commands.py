@@ -237,7 +237,8 @@ def register(add) -> None:
                     help="arms (default: upstream hybrid always-route; also prefill-only decode-only no-promotion never-route)")
     sp.add_argument("--checks", nargs="+",
                     help="checks (default: client_stream greedy_ids lm_eval endpoints, plus bench_serving when "
-                         "vskipper.http.bench_serving.python or --sglang-python is set)")
+                         "--sglang-python is given; bench_serving alone takes its Python from "
+                         "vskipper.http.bench_serving.python)")
     sp.add_argument("--sglang-python", help="a Python with SGLang installed (.venv-sglang/bin/python from "
                                             "scripts/setup_sglang.sh): adds the bench_serving check to the "
                                             "default checks (its settings: vskipper.http.bench_serving)")

@@ -470,13 +470,15 @@ def _check_endpoints(server, prompt: Sequence[int]) -> dict:
     return dict(ok=ok, detail=detail, requests=len(bad) + 1)
 
 
-def _check_bench_serving(server, model_dir: Path, bench: BenchServing, dataset: Path, work: Path, seed: int) -> dict:
+def _check_bench_serving(server, model_dir: Path, tokenizer, bench: BenchServing, dataset: Path, work: Path,
+                         seed: int) -> dict:
     """``bench_serving``: SGLang's own streaming benchmark client against the arm
-    (:func:`impl.vskipper.bench_serving.bench_serving`)."""
+    (:func:`impl.vskipper.bench_serving.bench_serving`), with the chat template when the tokenizer has one."""
     rate = math.inf if bench.request_rate is None else float(bench.request_rate)
     return bench_serving(server, model_dir, bench.python, dataset, work, num_prompts=bench.num_prompts,
                          output_len=bench.output_len, context_len=bench.context_len,
-                         max_concurrency=bench.max_concurrency, request_rate=rate, seed=seed)
+                         max_concurrency=bench.max_concurrency, request_rate=rate, seed=seed,
+                         chat_template=bool(getattr(tokenizer, "chat_template", None)))
 
 
 # ======================================================================================================
@@ -656,7 +658,7 @@ def check_arms(
                         elif check == "lm_eval":
                             res = _check_lm_eval(server, model_dir, tm, limit, seed)
                         elif check == "bench_serving":
-                            res = _check_bench_serving(server, model_dir, bench, sharegpt, work, seed)
+                            res = _check_bench_serving(server, model_dir, tokenizer, bench, sharegpt, work, seed)
                         else:
                             res = _check_endpoints(server, prompts[0])
                     except Exception as e:  # noqa: BLE001 - a broken check is a FAIL row, the others still run

@@ -7,30 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 source scripts/data_dir.sh
+# the config files and --config overrides, checked before Snakemake parses them (one line naming the
+# file:line:col or the key; Snakemake's own YAML errors lose the position)
+.venv/bin/python -m impl.launch check "$@"
 .venv/bin/snakemake --cores "${CORES:-2}" "$@"
-.venv/bin/python - "$@" <<'PY'
-import sys, yaml
-args = sys.argv[1:]
-if "-n" in args or "--dry-run" in args or "--dryrun" in args:
-    sys.exit(0)
-cfg = "configs/default.yaml"
-overrides = {}
-for i, a in enumerate(args):
-    if a == "--configfile" and i + 1 < len(args):
-        cfg = args[i + 1]
-    elif a.startswith("--configfile="):
-        cfg = a.split("=", 1)[1]
-# --config KEY=VALUE ... (snakemake takes every following KEY=VALUE word): the last results_dir wins
-in_config = False
-for a in args:
-    if a in ("--config", "-C"):
-        in_config = True
-        continue
-    if a.startswith("-"):
-        in_config = False
-    elif in_config and "=" in a:
-        key, value = a.split("=", 1)
-        overrides[key] = yaml.safe_load(value)
-results_dir = overrides.get("results_dir", yaml.safe_load(open(cfg))["results_dir"])
-print(f"report: {results_dir}/REPORT.md")
-PY
+.venv/bin/python -m impl.launch report-path "$@"

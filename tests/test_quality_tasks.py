@@ -131,3 +131,20 @@ def test_lm_eval_loads_the_tasks_offline(tmp_path, data_dir):
     assert ctx.startswith(story["story"] + "\n\n") and ctx.endswith(f"Q: {story['questions'][-1]['input_text']}\n\nA:")
     assert f"Q: {story['questions'][0]['input_text']}\n\nA: {story['answers'][0]['input_text']}\n\n" in ctx
     assert by[("vsk_coqa", 0)][1]["until"] == ["\nQ:"]
+
+
+def test_quality_tasks_command_writes_the_yamls_and_prints_the_lm_eval_command(tmp_path, capsys, data_dir,
+                                                                                  monkeypatch):
+    from impl.cli import main
+
+    monkeypatch.setenv("IMPL_DATA_DIR", str(data_dir))
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "tasks"
+    main(["quality-tasks", "--config", str(root / "configs" / "smoke.yaml"), "--out", str(out), "--suites", "gsm8k"])
+    text = capsys.readouterr().out
+    assert (out / "vsk_gsm8k.yaml").is_file()
+    assert "lm_eval --model local-completions" in text and f"--include_path {out}" in text
+    assert "--tasks vsk_gsm8k " in text
+    with pytest.raises(SystemExit, match="invalid choice|2"):
+        main(["quality-tasks", "--config", str(root / "configs" / "smoke.yaml"), "--out", str(out),
+              "--suites", "mmlu"])

@@ -344,7 +344,26 @@ BAD = [
     ({"prompt": "hi", "generation_config": json.dumps({"do_sample": True})}, 400, "sampling"),
     ({"prompt": "hi", "request_id": 7}, 400, "request_id"),
     ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"prompt": "hi", "temperature": float("nan")}, 400, "'temperature': Input should be a finite number"),
+    ({"prompt": "hi", "temperature": float("inf")}, 400, "finite"),
+    ({"prompt": "hi", "top_p": float("nan")}, 400, "'top_p'"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "'top_p' must be in (0, 1]"),
+    ({"prompt": "hi", "top_p": 0}, 400, "'top_p' must be in (0, 1]"),
+    ({"prompt": "hi", "top_k": -5}, 400, "'top_k'"),
+    ({"prompt": "hi", "min_p": 2}, 400, "'min_p'"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "'temperature': Input should be a valid number"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "'response_format'"),
+    ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools'"),
+    ({"prompt": "hi", "tool_choice": "auto"}, 400, "'tool_choice'"),
+    ({"prompt": "hi", "guided_regex": "a+"}, 400, "'guided_regex'"),
+    ({"prompt": "hi", "json_schema": "{}"}, 400, "'json_schema'"),
+    ({"prompt": "hi", "max_tokens": 10 ** 8}, 400, "'max_tokens' must be < 128"),
+    ({"prompt": "hi", "model": ""}, 400, "'model' must be a non-empty string"),
 ]
+
+#: Fields that do not change a greedy decode: checked, then accepted (200).
+ACCEPTED = [{"top_p": 0.9}, {"top_k": 40}, {"top_k": -1}, {"min_p": 0.05}, {"seed": 7}, {"user": "u"},
+            {"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"frobnicate": {"x": 1}}]
 
 
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(upstream):
@@ -356,6 +375,11 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(upstream):
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
         code, text = _post(upstream.url, None, raw=raw)
         assert code == 400 and "error" in json.loads(text), raw
+    code, text = _post(upstream.url, None, raw=b'{"prompt": "\xff"}')
+    assert code == 400 and "not valid JSON" in json.loads(text)["error"]["message"]
+    for extra in ACCEPTED:
+        code, out = _json(upstream.url, {"prompt": "hi", "max_tokens": 2, **extra})
+        assert code == 200 and out["usage"]["completion_tokens"] >= 1, (extra, out)
     code, out = _json(upstream.url, {"messages": [{"role": "user", "content": "hi"}]}, path="/v1/chat/completions")
     assert code == 400 and "chat template" in out["error"]["message"]  # the tiny tokenizer has none
     for body, words in (({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
@@ -375,6 +399,10 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(upstream):
     code, out = _json(upstream.url, {"prompt": "Question: how many", "max_tokens": 3, "model": "tiny"})
     assert code == 200 and out["usage"]["completion_tokens"] >= 1
     assert _get(upstream.url, "/health")[0] == 200
+    # every admitted request is accounted for once: finished, failed, cancelled, refused or in flight
+    st = _get(upstream.url, "/v1/vskipper/stats")[1]
+    c = st["counters"]
+    assert c["requests"] == c["finished"] + c["failed"] + c["cancelled"] + c["refused"] + st["in_flight"], st
 
 
 def test_http_completions_arm_drives_the_server(always_route, tok):

@@ -55,6 +55,11 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
     return df
 
 
+def _ratio(num: float, den: float) -> float:
+    """``num / den``, NaN when the denominator is 0 or NaN (no 0/0 warning: e.g. rows without timings)."""
+    return float(num) / float(den) if den and not np.isnan(den) else np.nan
+
+
 def arms_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (variant, suite, arm): pooled speedups, verdicts, lattice size."""
     out = []
@@ -71,11 +76,11 @@ def arms_table(df: pd.DataFrame) -> pd.DataFrame:
             out.append({
                 "variant": v, "suite": s, "arm": arm, "figure": g["figure"].iloc[0], "temperature": T,
                 "K": g["K"].iloc[0], "n_prompts": len(g), "tokens": int(g["tokens"].sum()),
-                "depth_speedup": g["L"].iloc[0] * g["tokens"].sum() / g["critical_layers"].sum(),
-                "wall_speedup": np.nan if is_oracle else ar_sec.get(T, np.nan) / g["seconds"].sum(),
-                "projected_speedup": ar_sec.get(T, np.nan) / (crit + comm) if not np.isnan(crit) else np.nan,
+                "depth_speedup": _ratio(g["L"].iloc[0] * g["tokens"].sum(), g["critical_layers"].sum()),
+                "wall_speedup": np.nan if is_oracle else _ratio(ar_sec.get(T, np.nan), g["seconds"].sum()),
+                "projected_speedup": _ratio(ar_sec.get(T, np.nan), crit + comm),
                 "comm_measured": bool(g["comm_seconds"].notna().any()),
-                "ms_per_token": np.nan if is_oracle else 1000 * g["seconds"].sum() / g["tokens"].sum(),
+                "ms_per_token": np.nan if is_oracle else _ratio(1000 * g["seconds"].sum(), g["tokens"].sum()),
                 "ar_match_all": bool(g["ar_match"].fillna(False).astype(bool).all()),
                 "rounds_identity": (bool(g["rounds_identity"].astype(bool).all())
                                     if g["rounds_identity"].notna().any() else None),

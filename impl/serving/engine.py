@@ -280,8 +280,10 @@ class EngineDriver:
             collection of the large heap a torch/transformers process holds (~0.4 s here) stalls the
             engine thread mid-run.
 
-    The generic counters (``requests``, ``finished``, ``failed``, ``cancelled``, ``prompt_tokens``,
-    ``completion_tokens``) leave out the warm-up.
+    The generic counters (``requests``, ``finished``, ``failed``, ``cancelled``, ``refused``,
+    ``prompt_tokens``, ``completion_tokens``) leave out the warm-up; every admitted request ends in exactly
+    one of the four outcomes, so ``requests == finished + failed + cancelled + refused + in_flight``
+    (:attr:`in_flight`).
     """
 
     def __init__(self, model, name: str = "engine", *, cb_config=None, eos_token_id: Any = "model",
@@ -301,8 +303,8 @@ class EngineDriver:
         self.stop_timeout_s = float(stop_timeout_s)
         self.freeze_gc = bool(freeze_gc)
         self.settings: dict[str, Any] = {}
-        self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
-                         "completion_tokens": 0}
+        self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "refused": 0,
+                         "prompt_tokens": 0, "completion_tokens": 0}
         self._manager = None
         self._tap = _LogprobTap()
         self._cond = threading.Condition()
@@ -328,6 +330,12 @@ class EngineDriver:
 
     # ----------------------------------------------------------------------------------- lifecycle
     @property
+    def in_flight(self) -> int:
+        """Admitted requests (warm-up excluded) that have not yet finished, failed or been cancelled."""
+        with self._cond:
+            return sum(1 for lv in self._live.values() if not lv.warmup and not lv.cancelled)
+
+    @property
     def started(self) -> bool:
         """True between :meth:`start` and :meth:`stop`."""
         return self._manager is not None
@@ -342,11 +350,6 @@ class EngineDriver:
         """True while the engine is started, warmed up and its generation thread alive."""
         mgr = self._manager
         return self._ready and self._dead is None and not self._stop.is_set() and mgr is not None and mgr.is_running()
-
-    @property
-    def in_flight(self) -> int:
-        """Requests submitted and not yet released."""
-        return len(self._live)
 
     def start(self, hint: WorkloadHint | None = None, after_warmup: Callable[[], None] | None = None) -> None:
         """Create and start a fresh manager and the dispatcher, run the warm-up requests, then call
@@ -517,6 +520,9 @@ class EngineDriver:
             got = None
         if got is None:
             self._release(rid)
+            if not _warmup:
+                with self._cond:
+                    self.counters["refused"] += 1
             raise EngineError("the engine refused the request (queue full or stopping)", 503, "service_unavailable")
         return live
 
@@ -694,6 +700,7 @@ class EngineDriver:
     def _fail_all(self, message: str, status: int) -> None:
         with self._cond:
             lives = list(self._live.values())
+            self.counters["failed"] += sum(1 for lv in lives if not lv.warmup and not lv.cancelled)
             self._live.clear()
             self._cancelling.clear()
             self._tap.want.clear()

@@ -32,8 +32,12 @@ name, an alias, or omitted), ``ignore_eos`` (generate exactly ``max_tokens`` tok
 EOS, ``max_new_tokens`` is used when ``max_tokens`` is absent), ``skip_special_tokens`` (default True),
 ``request_id`` / ``rid`` or the ``X-Request-ID`` header (the engine request id: RandomSkip hashes it, so
 a client can reproduce routes across arms; several prompts use ``<id>-<i>``; an id still in flight gets
-a 409). Refused with 400: ``n`` / ``best_of`` > 1, ``echo``, a non-empty ``suffix``, non-zero
-penalties, ``logit_bias``, ``min_tokens`` > 0, and any malformed field (the message names it).
+a 409). Accepted without effect on a greedy decode (checked): ``top_p`` in (0, 1], ``top_k``, ``min_p``
+in [0, 1], ``seed``, ``user``, ``response_format`` ``{"type": "text"}``. Refused with 400: ``n`` /
+``best_of`` > 1, ``echo``, a non-empty ``suffix``, non-zero penalties, ``logit_bias``, ``min_tokens`` > 0,
+``max_tokens`` >= the context length, structured output (``response_format`` json, ``guided_*``,
+``regex``, ``json_schema``, ``ebnf``), tools, a non-finite number, an empty ``model``, and any malformed
+field (the message names it). Unknown fields are ignored and their names logged, as vLLM does.
 
 **Responses.** Non-streaming: ``choices[i]`` with ``text`` (chat: ``message.content``),
 ``finish_reason`` (``length`` / ``stop``), ``logprobs`` (or null), ``token_ids`` and a ``vskipper``
@@ -122,6 +126,8 @@ def _check_sampling(req: P._SamplingRequest, engine: CompletionEngine, header_ri
     Raises:
         RequestError: 400 / 404 naming the field.
     """
+    if req.model is not None and not req.model:
+        raise RequestError(400, "'model' must be a non-empty string (or omitted for the served model)", "model")
     if req.model is not None and req.model not in engine.model_names:
         raise RequestError(404, f"model {req.model!r} is not served here; this server serves "
                                 f"{engine.served_model_name!r}", "model", "model_not_found")
@@ -145,6 +151,10 @@ def _check_sampling(req: P._SamplingRequest, engine: CompletionEngine, header_ri
         raise RequestError(400, f"'max_tokens' must be an integer, got {mt!r}", "max_tokens")
     if mt < 1:
         raise RequestError(400, f"'max_tokens' must be >= 1, got {mt}", "max_tokens")
+    if mt >= engine.max_model_len:
+        raise RequestError(400, f"'max_tokens' must be < {engine.max_model_len} (the maximum context length, "
+                                f"prompt included), got {mt}", "max_tokens", "context_length_exceeded")
+    _check_unsupported(req)
     if req.temperature is not None:
         if req.temperature < 0:
             raise RequestError(400, f"'temperature' must be a number >= 0, got {req.temperature!r}", "temperature")
@@ -183,6 +193,35 @@ def _check_sampling(req: P._SamplingRequest, engine: CompletionEngine, header_ri
     return dict(max_tokens=int(mt), stream=bool(req.stream), include_usage=req.include_usage,
                 stops=[s for s in stops if s], ignore_eos=ign, eos_token_id=eos_override,
                 skip_special=req.skip_special_tokens, request_id=rid)
+
+
+def _check_unsupported(req: P._SamplingRequest) -> None:
+    """Refuse what a greedy decode without constraints cannot honour; accept (checked) what does not
+    change it; log the names of unknown fields (vLLM's behaviour).
+
+    Raises:
+        RequestError: 400 naming the field.
+    """
+    if req.top_p is not None and not 0 < req.top_p <= 1:
+        raise RequestError(400, f"'top_p' must be in (0, 1], got {req.top_p!r}", "top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise RequestError(400, f"'top_k' must be -1 (off), 0 (off) or >= 1, got {req.top_k!r}", "top_k")
+    if req.min_p is not None and not 0 <= req.min_p <= 1:
+        raise RequestError(400, f"'min_p' must be in [0, 1], got {req.min_p!r}", "min_p")
+    rf = req.response_format
+    if rf is not None and rf.get("type", "text") != "text":
+        raise RequestError(400, f"'response_format' {rf.get('type')!r} is not supported: this server cannot "
+                                "constrain decoding (only {'type': 'text'})", "response_format")
+    for key in P.TOOL_FIELDS:
+        v = getattr(req, key)
+        if v not in (None, [], "none"):
+            raise RequestError(400, f"'{key}' is not supported: this server has no tool calling", key)
+    for key in P.STRUCTURED_OUTPUT_FIELDS:
+        if getattr(req, key) is not None:
+            raise RequestError(400, f"'{key}' (structured output) is not supported: this server cannot "
+                                    "constrain decoding", key)
+    if req.model_extra:
+        logger.warning("ignored unknown request fields: %s", ", ".join(sorted(req.model_extra)))
 
 
 def _check_logprobs(lp: int | None, engine: CompletionEngine, param: str) -> int | None:
@@ -511,6 +550,9 @@ def build_app(engine: CompletionEngine) -> FastAPI:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = {404: f"no route {request.url.path!r}",
                405: f"method {request.method} not allowed for {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's answer to a body json.loads cannot decode, e.g. bytes that are not UTF-8
+            msg = "the request body is not valid JSON (UTF-8 text expected)"
         return _error(exc.status_code, msg, kind=kind)
 
     @app.exception_handler(RequestError)

@@ -2,11 +2,14 @@
 and SGLang's ``protocol.py``: ``/v1/completions`` and ``/v1/chat/completions``, their streaming
 chunks, errors and the model list.
 
-Field types are strict (``"5"`` is not an integer, ``"true"`` not a boolean). Unknown request fields
-are ignored, as OpenAI-style servers do (clients send many); fields this server knows but cannot
-honour (``n`` > 1, ``echo``, penalties, ``logit_bias``, sampling) are declared here and refused with a
-400 by the server (:mod:`impl.vskipper.api_server`), which also runs the checks that need the engine
-(vocabulary, context length, ``max_logprobs``, served model name).
+Field types are strict (``"5"`` is not an integer, ``"true"`` not a boolean) and numbers finite
+(``NaN`` / ``Infinity`` are refused). Unknown request fields are ignored, as vLLM and SGLang do (clients
+send many), and logged with their names (:attr:`pydantic.BaseModel.model_extra`); fields this server
+knows but cannot honour (``n`` > 1, ``echo``, penalties, ``logit_bias``, sampling, structured output
+``response_format`` / ``guided_*`` / ``regex`` / ``json_schema`` / ``ebnf``, tool calling) are declared
+here and refused with a 400 by the server (:mod:`impl.vskipper.api_server`), which also runs the checks
+that need the engine (vocabulary, context length, ``max_logprobs``, served model name). Fields that do
+not change a greedy decode (``top_p`` in (0, 1], ``top_k``, ``min_p``, ``seed``) are checked and accepted.
 
 Extensions beyond the OpenAI API (as vLLM / SGLang spell them): ``ignore_eos``, ``skip_special_tokens``,
 ``request_id`` (alias ``rid``), ``generation_config`` (transformers-serve style), and in responses
@@ -17,9 +20,9 @@ arm and modes).
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictInt, StrictStr
 
 __all__ = [
     "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionStreamResponse", "ChatMessage",
@@ -27,11 +30,20 @@ __all__ = [
     "ModelList", "StreamOptions", "UsageInfo",
 ]
 
-Number = Union[StrictInt, StrictFloat]
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+"""A finite JSON number (an integer or a float; not a string, a boolean, NaN or Infinity)."""
+
+#: Structured-output fields of vLLM / SGLang (the server refuses them: it cannot constrain decoding).
+STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "regex",
+                            "json_schema", "ebnf", "structural_tag")
+#: Tool-calling fields of the OpenAI API (refused when set: the server has no tool parser).
+TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call")
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # "allow" keeps unknown fields in ``model_extra`` so that the server can log their names; they
+    # are never read.
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Request):
@@ -48,6 +60,8 @@ class _SamplingRequest(_Request):
     max_tokens: StrictInt | None = None
     temperature: Number | None = None
     top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
     n: StrictInt | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
@@ -58,6 +72,19 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, Number] | None = None
     seed: StrictInt | None = None
     user: StrictStr | None = None
+    response_format: dict[str, JsonValue] | None = None
+    tools: JsonValue = None
+    tool_choice: JsonValue = None
+    functions: JsonValue = None
+    function_call: JsonValue = None
+    guided_json: JsonValue = None
+    guided_regex: JsonValue = None
+    guided_choice: JsonValue = None
+    guided_grammar: JsonValue = None
+    regex: JsonValue = None
+    json_schema: JsonValue = None
+    ebnf: JsonValue = None
+    structural_tag: JsonValue = None
     # extensions (vLLM / SGLang / transformers serve)
     ignore_eos: StrictBool | None = False
     min_tokens: StrictInt | None = None

@@ -502,6 +502,30 @@ def quality_concurrency(q: Quality, engine: Engine, n_docs: int | None) -> int:
     return max(1, conc)
 
 
+def cmd_quality_tasks(args) -> None:
+    """Write the lm-eval task YAMLs of the quality protocol (``vskipper.quality``) for a standalone
+    ``lm_eval`` run against a served arm, and print that command."""
+    from impl.quality.tasks import write_task_yamls
+    from impl.runtime import config_from_args
+
+    cfg = config_from_args(args)
+    q = vskipper_section(cfg).quality
+    if q is None:
+        raise SystemExit("error: the config has no 'vskipper.quality' section")
+    suites = args.suites or list(q.tasks)
+    out = Path(args.out)
+    try:
+        ts = write_task_yamls(cfg["data_dir"], out, suites, quality_options(q, out / "hf_datasets"))
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    names = ",".join(ts.task_names)
+    print(f"wrote {len(ts.task_names)} lm-eval tasks to {out}: {names}")
+    print("run them against a served arm (python -m impl.vskipper.server ... prints its URL), e.g.:")
+    print(f"  HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 lm_eval --model local-completions --model_args "
+          f"base_url=URL/v1/completions,model=NAME,tokenizer_backend=huggingface,tokenizer=MODEL_DIR,"
+          f"tokenized_requests=True,max_length=4096,num_concurrent=1 --tasks {names} --include_path {out} --limit 5")
+
+
 def cmd_quality_cell(args) -> None:
     """The quality 2x2 (A/B/C/D) of one suite with the FlexiDepth checkpoint -> JSONL rows + summary JSON."""
     import shutil
@@ -772,6 +796,12 @@ def register(add) -> None:
     sp.add_argument("--prompts", required=True)
     sp.add_argument("--workload", required=True)
     sp.add_argument("--out", required=True, help="JSONL to write")
+
+    sp = add("quality-tasks", cmd_quality_tasks,
+             "write the quality protocol's lm-eval task YAMLs (GSM8K, BBH, CoQA over the local data) for lm_eval")
+    sp.add_argument("--out", required=True, help="folder for the YAMLs (lm_eval --include_path)")
+    sp.add_argument("--suites", nargs="+", choices=list(QUALITY_TASKS), default=None,
+                    help="suites to write (default: vskipper.quality.tasks)")
 
     sp = add("quality-cell", cmd_quality_cell,
              "quality 2x2 of one suite (Table 5 left): base / FlexiDepth checkpoint x in process / served always-route")

@@ -14,7 +14,8 @@ import logging
 import sys
 from pathlib import Path
 from .registry import Registry
-from .runtime import config_from_args, load_for, set_threads
+from .runtime import config_from_args, load_for, run_provenance, set_threads
+from .schema import core_config
 from .argtypes import ArgumentParser, nonneg_int, positive_int, temperature
 from .workloads.prompts import read_prompts
 
@@ -34,10 +35,10 @@ def cmd_tokenizer(args) -> None:
     from .models.tokenizer import train_tokenizer
     from .provenance import atomic_path
 
-    cfg = config_from_args(args)
-    docs, meta = collect_documents(cfg["data_dir"], cfg["corpus"]["sources"], cfg["corpus"]["max_chars_per_source"])
+    core = core_config(config_from_args(args))
+    docs, meta = collect_documents(core.data_dir, core.corpus.sources, core.corpus.max_chars_per_source)
     with atomic_path(args.out) as tmp:
-        train_tokenizer(docs, cfg["tokenizer"]["vocab_size"], tmp)
+        train_tokenizer(docs, core.tokenizer.vocab_size, tmp)
     log.info("tokenizer (%d docs) -> %s", len(docs), args.out)
 
 
@@ -50,10 +51,11 @@ def cmd_corpus(args) -> None:
     from .provenance import atomic_path, provenance
 
     cfg = config_from_args(args)
+    core = core_config(cfg)
     tok = load_tokenizer(args.tokenizer, builder="tokenizer")
-    docs, meta = collect_documents(cfg["data_dir"], cfg["corpus"]["sources"], cfg["corpus"]["max_chars_per_source"])
+    docs, meta = collect_documents(core.data_dir, core.corpus.sources, core.corpus.max_chars_per_source)
     # hold out every k-th document for validation (deterministic, spread over all sources)
-    k = max(2, round(1 / cfg["corpus"]["val_fraction"]))
+    k = max(2, round(1 / core.corpus.val_fraction))
     ids = tok(docs, add_special_tokens=False)["input_ids"]
     eos = tok.eos_token_id
     dtype = np.uint16 if len(tok) < 2**16 else np.int32
@@ -61,7 +63,7 @@ def cmd_corpus(args) -> None:
     train = join([s for i, s in enumerate(ids) if i % k])
     val = join([s for i, s in enumerate(ids) if i % k == 0])
     meta.update(train_tokens=int(train.size), val_tokens=int(val.size), vocab_size=len(tok),
-                unigram_baseline=unigram_baseline(train, val, len(tok)), **provenance(cfg, seed=cfg["seed"]))
+                unigram_baseline=unigram_baseline(train, val, len(tok)), **provenance(cfg, seed=core.seed))
     with atomic_path(args.out) as tmp:
         tmp.mkdir()
         np.save(tmp / "train.npy", train)
@@ -79,7 +81,8 @@ def cmd_train(args) -> None:
     from .provenance import atomic_path, provenance, write_json
 
     cfg = config_from_args(args)
-    if cfg["models"][args.model]["kind"] != "tiny":
+    core = core_config(cfg)
+    if core.models[args.model].kind != "tiny":
         raise SystemExit(f"error: models.{args.model} is kind 'pretrained'; only tiny models are trained here")
     corpus = Path(args.corpus)
     tok = load_tokenizer(args.tokenizer, builder="tokenizer")
@@ -89,7 +92,7 @@ def cmd_train(args) -> None:
         summary = train_tiny(tiny_arch(cfg), train_config(cfg, args.model), train, val, tok, tmp,
                              progress=not args.quiet)
     summary.update(model=args.model, unigram_baseline=meta["unigram_baseline"], corpus=meta["sources"],
-                   **provenance(cfg, seed=cfg["seed"]))
+                   **provenance(cfg, seed=core.seed))
     write_json(args.summary, summary)
     log.info("%s: val loss %.3f (unigram %.3f) in %.0f s", args.model, summary["val_loss"],
              meta["unigram_baseline"], summary["train_seconds"])
@@ -100,13 +103,14 @@ def cmd_convert_gguf(args) -> None:
     from .provenance import atomic_path, provenance
 
     cfg = config_from_args(args)
-    m = cfg["models"].get(args.model)
-    if m is None or "gguf" not in m:
+    core = core_config(cfg)
+    m = core.models.get(args.model)
+    if m is None or m.gguf is None:
         raise SystemExit(f"error: models.{args.model} has no 'gguf' source in the config")
     try:
         with atomic_path(args.out) as tmp:
-            record = convert_gguf(GGUFSource.from_config(m["gguf"]), tmp, dtype=cfg["dtype"],
-                                  extra={"model": args.model, **provenance(cfg, seed=cfg["seed"], dtype=cfg["dtype"])})
+            record = convert_gguf(GGUFSource(**m.gguf.model_dump()), tmp, dtype=core.dtype,
+                                  extra={"model": args.model, **provenance(cfg, seed=core.seed, dtype=core.dtype)})
     except GGUFError as e:
         raise SystemExit(f"error: models.{args.model}: {e}") from None
     log.info("%s: %s (%s %s) -> %s; logits check passed (max |diff| %g)", args.model, record["source"]["file"],
@@ -132,12 +136,12 @@ def cmd_train_adapters(args) -> None:
     tok = load_tokenizer(args.model_dir)
     depths = adapter_depths(dex, num_layers(model))
     tcfg = AdapterTrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr,
-                              position_fraction=a.position_fraction, seed=cfg["seed"], threads=a.threads)
-    train, val = sharegpt_tokens(cfg["data_dir"], tok, a.max_chars)
+                              position_fraction=a.position_fraction, seed=core_config(cfg).seed, threads=a.threads)
+    train, val = sharegpt_tokens(core_config(cfg).data_dir, tok, a.max_chars)
     with torch.enable_grad():
         adapters, summary = train_adapters(model, depths, train, val, tcfg, progress=not args.quiet)
     summary.update(model_dir=str(args.model_dir), data="sharegpt", train_tokens_available=int(len(train)),
-                   **provenance(cfg, seed=cfg["seed"]))
+                   **provenance(cfg, seed=core_config(cfg).seed))
     with atomic_path(args.out) as tmp:
         save_adapters(adapters, tmp, {"model_dir": str(args.model_dir), "summary": summary}, model=model)
     write_json(args.summary, summary)
@@ -148,10 +152,12 @@ def cmd_workload(args) -> None:
     from .provenance import write_jsonl
     from .workloads import DEFAULT_TEMPLATES, build_text_suite
 
-    cfg = config_from_args(args)
-    w = cfg["workloads"][args.suite]
-    rows = build_text_suite(args.suite, cfg["data_dir"], w["n_prompts"], cfg["seed"],
-                            w.get("template", DEFAULT_TEMPLATES[args.suite]), chat=w.get("chat"))
+    core = core_config(config_from_args(args))
+    w = core.workloads.get(args.suite)
+    if w is None:
+        raise SystemExit(f"error: suite {args.suite!r} is not in the config's workloads ({', '.join(core.workloads)})")
+    rows = build_text_suite(args.suite, core.data_dir, w.n_prompts, core.seed,
+                            w.template or DEFAULT_TEMPLATES[args.suite], chat=w.chat)
     write_jsonl(args.out, rows)
     log.info("%s: %d prompts -> %s", args.suite, len(rows), args.out)
 
@@ -161,16 +167,16 @@ def cmd_tokenize(args) -> None:
     from .provenance import write_jsonl
     from .workloads import tokenize_suite
 
-    cfg = config_from_args(args)
+    core = core_config(config_from_args(args))
     tok = load_tokenizer(args.model_dir)
-    rows, summary = tokenize_suite(read_prompts(args.prompts), tok, cfg["max_prompt_tokens"], cfg["overlong_prompt"])
+    rows, summary = tokenize_suite(read_prompts(args.prompts), tok, core.max_prompt_tokens, core.overlong_prompt)
     write_jsonl(args.out, rows)
     log.info("tokenized %s: %s", args.prompts, summary)
 
 
 def cmd_ead(args) -> None:
     from .ead.measure import measure_suite
-    from .provenance import provenance, write_jsonl
+    from .provenance import write_jsonl
 
     from .config import ead_prompt_limit
 
@@ -180,10 +186,11 @@ def cmd_ead(args) -> None:
     model = load_for(cfg, args.model_dir)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    n = args.max_new_tokens or cfg["ead"]["max_new_tokens"]
-    eos = model.config.eos_token_id if cfg["ead"]["stop_at_eos"] else None
+    ead = core_config(cfg).ead
+    n = args.max_new_tokens or ead.max_new_tokens
+    eos = model.config.eos_token_id if ead.stop_at_eos else None
     rows, errors = measure_suite(model, prompts, n, eos_token_id=eos, progress=not args.quiet)
-    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    prov = run_provenance(cfg)
     for r in rows + errors:
         r.update(model=args.model, max_new_tokens=n, rule="greedy", batch_size=1, **prov)
     for e in errors:
@@ -196,7 +203,7 @@ def cmd_ead(args) -> None:
 
 def cmd_ead_shared(args) -> None:
     from .ead.shared import shared_rows
-    from .provenance import provenance, read_jsonl, write_jsonl
+    from .provenance import read_jsonl, write_jsonl
 
     cfg = config_from_args(args)
     set_threads(cfg)
@@ -211,7 +218,7 @@ def cmd_ead_shared(args) -> None:
         for r in sorted((r for r in read_jsonl(f) if "error" not in r), key=lambda r: r["t"]):
             gens.setdefault((m, r["prompt_id"]), []).append(r["token_id"])
     rows = shared_rows(models, read_prompts(args.prompts), gens)
-    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    prov = run_provenance(cfg)
     for r in rows:
         r.update(**prov)
     write_jsonl(args.out, rows)
@@ -219,25 +226,26 @@ def cmd_ead_shared(args) -> None:
 
 
 def cmd_ar_bench(args) -> None:
-    from .provenance import provenance, write_jsonl
+    from .provenance import write_jsonl
     from .spec.ar import ar_decode
 
     cfg = config_from_args(args)
     set_threads(cfg)
     model = load_for(cfg, args.model_dir)
-    b = cfg["ar_bench"]
+    core = core_config(cfg)
+    b = core.ar_bench
     from .config import ead_prompt_limit
 
     prompts = [p for p in read_prompts(args.prompts)[: ead_prompt_limit(cfg, args.model)] if p.get("input_ids")]
-    eos = model.config.eos_token_id if cfg["ead"]["stop_at_eos"] else None
+    eos = model.config.eos_token_id if core.ead.stop_at_eos else None
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SystemExit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    n = args.max_new_tokens or b["max_new_tokens"]
-    for p in prompts[: b["warmup_prompts"]]:  # warm-up, not recorded
+    n = args.max_new_tokens or b.max_new_tokens
+    for p in prompts[: b.warmup_prompts]:  # warm-up, not recorded
         ar_decode(model, p["input_ids"], n, eos_token_id=eos)
-    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    prov = run_provenance(cfg)
     rows = []
-    for rep in range(b["repetitions"]):
+    for rep in range(b.repetitions):
         for p in prompts:
             try:
                 res = ar_decode(model, p["input_ids"], n, eos_token_id=eos)
@@ -317,13 +325,11 @@ def cmd_dex_cell(args) -> None:
     from .dex.cell import dex_arms, run_cell, tune_baselines
     from .dex.schema import dex_section
     from .models.depth import num_layers
-    from .provenance import provenance, write_jsonl
+    from .provenance import write_jsonl
 
     cfg = config_from_args(args)
     d = dex_section(cfg)
-    import torch
-
-    torch.set_num_threads(cfg["threads"])
+    set_threads(cfg)
     model = load_for(cfg, args.model_dir)
     adapters = None
     if args.adapters:
@@ -343,9 +349,9 @@ def cmd_dex_cell(args) -> None:
     if not adapters and tune:  # baselines run on the plain model; the adapter variant adds DEX arms only
         extra, tuning = tune_baselines(model, tune, d, L, d.max_new_tokens, eos)
         arms += extra
-    rows = run_cell(model, prompts, arms, max_new_tokens=d.max_new_tokens, eos=eos, seed=cfg["seed"],
+    rows = run_cell(model, prompts, arms, max_new_tokens=d.max_new_tokens, eos=eos, seed=core_config(cfg).seed,
                     adapters=adapters, progress=not args.quiet)
-    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    prov = run_provenance(cfg)
     for r in rows:
         r.update(kind="decode", variant=args.variant, num_layers=L, batch_size=1, **prov)
     for r in tuning:
@@ -395,19 +401,20 @@ def cmd_tables(args) -> None:
     if training is not None:
         write_table(training, out / "training")
         write_table(depth, out / "val_loss_by_depth")
-    tabs = ead_tables(ead, cfg["ead"]["num_speculations"], cfg["ead"]["nested_chains"])
+    ead_cfg = core_config(cfg).ead
+    tabs = ead_tables(ead, ead_cfg.num_speculations, ead_cfg.nested_chains)
     for name, df in tabs.items():
         write_table(df, out / name)
     write_table(best_selection(tabs["selection"]), out / "selection_best")
     write_table(models_table(cfg, ead), out / "models")
-    comp = cfg["ead"].get("compare")
+    comp = ead_cfg.compare
     if comp:
-        write_table(paired_model_comparison(ead, comp["baseline"], comp["treatment"]), out / "ls_vs_std")
+        write_table(paired_model_comparison(ead, comp.baseline, comp.treatment), out / "ls_vs_std")
     write_table(ar_table(ar, ead), out / "ar_throughput")
     if comp and args.shared:
         from .report.tables import shared_tables
 
-        for name, df in shared_tables(load_rows(args.shared), comp["baseline"], comp["treatment"]).items():
+        for name, df in shared_tables(load_rows(args.shared), comp.baseline, comp.treatment).items():
             write_table(df, out / name)
     keys = ("git_sha", "git_dirty", "config_hash", "device", "dtype", "torch_version", "transformers_version",
             "python_version")

@@ -10,7 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["config_from_args", "load_for", "set_threads"]
+from .schema import core_config
+
+__all__ = ["config_from_args", "load_for", "run_provenance", "set_threads"]
 
 
 def config_from_args(args) -> dict[str, Any]:
@@ -33,14 +35,23 @@ def config_from_args(args) -> dict[str, Any]:
 
 
 def set_threads(cfg: dict[str, Any]) -> None:
-    """``torch.set_num_threads(cfg["threads"])``."""
+    """``torch.set_num_threads`` to the config's ``threads``."""
     import torch
 
-    torch.set_num_threads(cfg["threads"])
+    torch.set_num_threads(core_config(cfg).threads)
+
+
+def run_provenance(cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The provenance fields of a command's rows (:func:`impl.provenance.provenance`): the config's hash,
+    its seed, device and dtype, plus ``extra`` fields."""
+    from .provenance import provenance
+
+    core = core_config(cfg)
+    return {**provenance(cfg, seed=core.seed, device=core.device, dtype=core.dtype), **extra}
 
 
 def load_for(cfg: dict[str, Any], model_dir: str | Path):
-    """The model directory loaded in ``cfg["dtype"]`` on ``cfg["device"]``, eval mode.
+    """The model directory loaded in the config's ``dtype`` on its ``device``, eval mode.
 
     Raises:
         FileNotFoundError: naming the directory and the rule that builds it.
@@ -49,5 +60,6 @@ def load_for(cfg: dict[str, Any], model_dir: str | Path):
 
     from .models.load import load_model
 
-    model = load_model(model_dir, dtype=getattr(torch, cfg["dtype"]), builder="train_model")
-    return model.to(cfg["device"])
+    core = core_config(cfg)
+    model = load_model(model_dir, dtype=getattr(torch, core.dtype), builder="train_model")
+    return model.to(core.device)

@@ -8,7 +8,7 @@ Imports pydantic only (no torch): Snakemake reads the schema at parse time.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
@@ -17,7 +17,7 @@ from .models.corpus import SOURCES
 from .sections import Section
 from .workloads import SUITES
 
-__all__ = ["CoreConfig", "ModelEntry", "Gguf", "EarlyExit", "WorkloadEntry", "Ead", "Compare", "ArBench",
+__all__ = ["core_config", "CoreConfig", "ModelEntry", "Gguf", "EarlyExit", "WorkloadEntry", "Ead", "Compare", "ArBench",
            "Tokenizer", "Corpus", "TinyArch", "Training"]
 
 PosInt = Annotated[int, Field(ge=1)]
@@ -176,3 +176,15 @@ class CoreConfig(Section):
         min_length=1, json_schema_extra={"propertyNames": {"enum": list(SUITES)}})]
     ead: Ead
     ar_bench: ArBench = Field(default_factory=ArBench)
+
+
+def core_config(cfg: Mapping[str, Any]) -> CoreConfig:
+    """The core sections of a validated config (:func:`impl.config.validate_config`, defaults filled in)
+    as a typed :class:`CoreConfig`: what a command reads (``core.seed``, ``core.ead.max_new_tokens``),
+    not ``cfg["..."]``. The method sections and any keys a command added are left out.
+
+    Raises:
+        pydantic.ValidationError: ``cfg`` is not a validated config (a programming error: commands get
+            configs through :func:`impl.runtime.config_from_args`).
+    """
+    return CoreConfig.model_validate({k: cfg[k] for k in CoreConfig.model_fields if k in cfg})

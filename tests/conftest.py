@@ -98,3 +98,18 @@ def smoke_run(tmp_path_factory, data_dir):
     log, _ = p.communicate(timeout=1800)
     assert p.returncode == 0, log[-4000:]
     return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def smoke_config(**overrides) -> dict:
+    """``configs/smoke.yaml`` with ``overrides`` merged in (dicts key by key), validated without the path
+    checks: a config a command accepts, for tests that call commands directly."""
+    from impl.config import read_yaml, validate_config
+
+    return validate_config(_merge(read_yaml(ROOT / "configs" / "smoke.yaml"), overrides), check_paths=False)

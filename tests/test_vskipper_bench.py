@@ -100,7 +100,9 @@ def test_command_runs_tiny(tmp_path, monkeypatch):
     from impl.vskipper import commands
     from impl.vskipper.bench_report import bench_tables, report_section
 
-    cfg = {"seed": 0, "threads": 1, "device": "cpu", "dtype": "float32"}
+    from conftest import smoke_config
+
+    cfg = smoke_config(seed=0, threads=1, device="cpu", dtype="float32")
     monkeypatch.setattr("impl.runtime.config_from_args", lambda args: cfg)
     monkeypatch.setattr("impl.vskipper.commands.log", commands.log)
     p = argparse.ArgumentParser()

@@ -147,8 +147,10 @@ def _parser():
 def test_command_writes_rows_summary_and_report(model_dir, prompts_file, tmp_path, monkeypatch, data_dir):
     from impl.vskipper.http_report import report_section
 
-    cfg = {"seed": 0, "threads": 1, "device": "cpu", "dtype": "float32", "data_dir": str(data_dir),
-           "vskipper": {"engine": ENGINE, "randomskip": {"seed": 3}}}
+    from conftest import smoke_config
+
+    cfg = smoke_config(seed=0, threads=1, device="cpu", dtype="float32", data_dir=str(data_dir),
+                       vskipper={"engine": ENGINE, "randomskip": {"seed": 3}})
     monkeypatch.setattr("impl.runtime.config_from_args", lambda args: cfg)
     out = tmp_path / "http" / "tiny.csv"
     summ = tmp_path / "http" / "tiny.json"

@@ -182,12 +182,14 @@ def models_table(cfg: dict, ead_rows: list[dict]) -> pd.DataFrame:
     (``conversion.json``, :mod:`impl.models.gguf`)."""
     from ..config import model_dir
     from ..models.gguf import read_conversion
+    from ..schema import core_config
 
+    core = core_config(cfg)
     depth = {r["model"]: len(r["candidates"]) for r in ead_rows}
     recs = []
-    for name in cfg["ead"]["models"]:
-        m = cfg["models"][name]
-        conv = read_conversion(model_dir(cfg, name)) if m["kind"] == "pretrained" else None
+    for name in core.ead.models:
+        m = core.models[name]
+        conv = read_conversion(model_dir(cfg, name)) if m.kind == "pretrained" else None
         if conv:
             src = conv["source"]
             origin = f"{src['file']} from PyPI package {src['package']} {src['package_version']}" if src["package"] \
@@ -198,9 +200,9 @@ def models_table(cfg: dict, ead_rows: list[dict]) -> pd.DataFrame:
                    "conversion_check": ("identical logits" if check["identical"] else
                                         f"max |logit diff| {check['max_abs_logit_diff']:.3g}") + f" ({conv['dtype']})"}
         else:
-            rec = {"source": "trained in the DAG" if m["kind"] == "tiny" else m["path"]}
-        recs.append({"model": name, "kind": m["kind"], "layers": depth.get(name),
-                     "description": m.get("description", ""), **rec})
+            rec = {"source": "trained in the DAG" if m.kind == "tiny" else m.path}
+        recs.append({"model": name, "kind": m.kind, "layers": depth.get(name),
+                     "description": m.description or "", **rec})
     cols = ["model", "kind", "layers", "description", "source", "sha256", "weights", "parameters", "conversion_check"]
     df = pd.DataFrame(recs, columns=cols)
     df["parameters"] = df["parameters"].map(lambda v: "" if pd.isna(v) else f"{int(v):,}")

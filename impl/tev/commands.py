@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from ..schema import core_config
 from ..workloads.prompts import read_prompts
 from .schema import tev_section
 
@@ -38,21 +39,22 @@ def cmd_tev_train(args) -> None:
     torch.set_num_threads(d.threads)
     target = load_for(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
-    prompts = sharegpt_prompt_ids(tok, cfg["data_dir"], d.prompts, max_prompt_tokens=d.prompt_max_tokens)
-    tcfg = DrafterTrainConfig.from_section(d, seed=cfg["seed"], progress=not args.quiet)
+    core = core_config(cfg)
+    prompts = sharegpt_prompt_ids(tok, core.data_dir, d.prompts, max_prompt_tokens=d.prompt_max_tokens)
+    tcfg = DrafterTrainConfig.from_section(d, seed=core.seed, progress=not args.quiet)
     eos = target.config.eos_token_id if t.stop_at_eos else None
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg["seed"])
+        torch.manual_seed(core.seed)
         from .drafter import BlockDrafter
 
         layers = BlockDrafter(target, tcfg.drafter).feature_layers
     data = make_rollouts(target, prompts, layers, new_tokens=d.rollout_new_tokens,
-                         temperature=d.rollout_temperature, eos_token_id=eos, seed=cfg["seed"])
+                         temperature=d.rollout_temperature, eos_token_id=eos, seed=core.seed)
     with torch.enable_grad():
         base, base_summary = train_drafter(target, None, tcfg, data=data)
     summaries = {"base": base_summary}
     drafters = {"base": base}
-    ecfg = ExitTrainConfig.from_section(t, seed=cfg["seed"], eval_prompts=0, progress=not args.quiet)
+    ecfg = ExitTrainConfig.from_section(t, seed=core.seed, eval_prompts=0, progress=not args.quiet)
     for obj in t.exittrain.objectives:
         with torch.enable_grad():
             drafters[obj], summaries[obj] = train_exittrain(target, base, data, ecfg, objective=obj)
@@ -62,21 +64,20 @@ def cmd_tev_train(args) -> None:
             dr.save(Path(tmp) / k)
     summary = {"model_dir": str(args.model_dir), "n_prompts": len(prompts), "rollout_tokens": data.rollout_tokens,
                "rollout_seconds": data.seconds, "drafters": sorted(drafters), "summaries": summaries,
-               **provenance(cfg, seed=cfg["seed"])}
+               **provenance(cfg, seed=core.seed)}
     write_json(args.summary, summary)
 
 
 def cmd_tev_cell(args) -> None:
-    import torch
 
-    from ..runtime import config_from_args, load_for
-    from ..provenance import provenance, write_jsonl
+    from ..runtime import config_from_args, load_for, run_provenance, set_threads
+    from ..provenance import write_jsonl
     from .cell import run_tev_cell, tev_arms
     from .drafter import BlockDrafter
 
     cfg = config_from_args(args)
     t = tev_section(cfg)
-    torch.set_num_threads(cfg["threads"])
+    set_threads(cfg)
     target = load_for(cfg, args.model_dir)
     root = Path(args.drafters)
     drafters = {k: BlockDrafter.load(root / k, target) for k in DRAFTER_KEYS if (root / k).is_dir()}
@@ -86,8 +87,9 @@ def cmd_tev_cell(args) -> None:
     arms = tev_arms(t.budget, t.budgets, tuple(drafters))
     eos = target.config.eos_token_id if t.stop_at_eos else None
     rows = run_tev_cell(target, drafters, prompts, arms, temperatures=t.temperatures, depth=t.depth,
-                        max_new_tokens=t.max_new_tokens, eos=eos, seed=cfg["seed"], progress=not args.quiet)
-    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+                        max_new_tokens=t.max_new_tokens, eos=eos, seed=core_config(cfg).seed,
+                        progress=not args.quiet)
+    prov = run_provenance(cfg)
     for r in rows:
         r.update(model=args.model, batch_size=1, **prov)
     write_jsonl(args.out, rows)
@@ -96,17 +98,16 @@ def cmd_tev_cell(args) -> None:
 
 
 def cmd_tev_latency(args) -> None:
-    import torch
 
-    from ..runtime import config_from_args, load_for
-    from ..provenance import provenance, write_jsonl
+    from ..runtime import config_from_args, load_for, run_provenance, set_threads
+    from ..provenance import write_jsonl
     from .drafter import BlockDrafter
     from .latency import verifier_latency
 
     cfg = config_from_args(args)
     t = tev_section(cfg)
     lat = t.latency
-    torch.set_num_threads(cfg["threads"])
+    set_threads(cfg)
     target = load_for(cfg, args.model_dir)
     drafter = BlockDrafter.load(Path(args.drafters) / "base", target)
     prompts = [p["input_ids"] for p in read_prompts(args.prompts) if p.get("input_ids")][: t.n_prompts]
@@ -122,8 +123,8 @@ def cmd_tev_latency(args) -> None:
                  "sequential_residual": sequential_residual, "tev": tev}
     rows = verifier_latency(target, drafter, prompts, budgets=tuple(lat.budgets), depth=t.depth,
                             temperature=lat.temperature, n_trees=lat.trees, repeats=lat.repeats,
-                            seed=cfg["seed"], verifiers=verifiers, isolated=("predraw_ddtree_multinomial",))
-    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+                            seed=core_config(cfg).seed, verifiers=verifiers, isolated=("predraw_ddtree_multinomial",))
+    prov = run_provenance(cfg)
     write_jsonl(args.out, [{**r, "model": args.model, **prov} for r in rows])
 
 

@@ -53,12 +53,14 @@ def cmd_vskipper_bench(args) -> None:
     """Run the step benchmark on one model and write rows + summary."""
     import torch
 
-    from impl.runtime import config_from_args, load_for, set_threads
-    from impl.provenance import provenance, write_json, write_jsonl
+    from impl.runtime import config_from_args, load_for, run_provenance, set_threads
+    from impl.provenance import write_json, write_jsonl
+    from impl.schema import core_config
 
     from .bench import WIDE_ARCH, arch_of, check_targets, decode_profile, step_benchmark, wide_model
 
     cfg = config_from_args(args)
+    core = core_config(cfg)
     set_threads(cfg)
     s = _settings(args, cfg)
     if bool(args.wide) == bool(args.model_dir):
@@ -66,7 +68,7 @@ def cmd_vskipper_bench(args) -> None:
     if args.wide:
         arch = dict(WIDE_ARCH, hidden_size=int(s["wide_hidden"]), intermediate_size=int(s["wide_intermediate"]),
                     num_layers=int(s["wide_layers"]), num_heads=int(s["wide_heads"]))
-        model = wide_model(**arch, seed=int(cfg["seed"]), dtype=getattr(torch, cfg["dtype"])).to(cfg["device"])
+        model = wide_model(**arch, seed=core.seed, dtype=getattr(torch, core.dtype)).to(core.device)
         label = args.label or "wide"
         source = {"wide": arch, "note": "randomly initialised (seeded); timings only, outputs meaningless"}
     else:
@@ -89,12 +91,12 @@ def cmd_vskipper_bench(args) -> None:
                       repeats=int(s["profile_repeats"]), warmup=0)
     rows = step_benchmark(model, cells, routed_layers=routed_layers, grid=grid, flexidepth=flexi,
                           hybrid=bool(s["hybrid"]), profile_kw=profile_kw, repeats=int(s["repeats"]),
-                          warmup=int(s["warmup"]), seed=int(cfg["seed"]), label=label, log=log.info)
+                          warmup=int(s["warmup"]), seed=core.seed, label=label, log=log.info)
     prof = []
     for n in s["profile_requests"]:
         prof += decode_profile(model, requests=int(n), context=int(s["decode_context"]), routed_layers=routed_layers,
-                               steps=int(s["profile_steps"]), seed=int(cfg["seed"]), label=label)
-    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+                               steps=int(s["profile_steps"]), seed=core.seed, label=label)
+    prov = run_provenance(cfg)
     write_jsonl(args.out, [dict(r, **prov) for r in rows])
     targets = check_targets(rows)
     table = [{k: r.get(k) for k in ("cell", "arm", "kind", "r", "d", "skip_share", "t_step_s", "measured_ratio",
@@ -130,8 +132,8 @@ def cmd_vskipper_http_check(args) -> None:
     CSV with PASS / FAIL verdicts and a summary JSON."""
     import time
 
-    from impl.runtime import config_from_args, set_threads
-    from impl.provenance import provenance
+    from impl.runtime import config_from_args, run_provenance, set_threads
+    from impl.schema import core_config
 
     from .http_check import ARMS, DEFAULT_CHECKS, HYBRID_SWITCH, check_arms, default_skipper_specs, write_outputs
 
@@ -141,7 +143,8 @@ def cmd_vskipper_http_check(args) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     from .schema import BenchServing, RandomSkipMap, VskipperSection
 
-    v = VskipperSection.model_validate(cfg["vskipper"]) if isinstance(cfg, dict) and cfg.get("vskipper") else None
+    core = core_config(cfg)
+    v = VskipperSection.model_validate(cfg["vskipper"]) if cfg.get("vskipper") else None
     rs = v.randomskip if v is not None else RandomSkipMap()
     q = v.quality if v is not None else None
     engine = v.engine if v is not None else None
@@ -166,14 +169,14 @@ def cmd_vskipper_http_check(args) -> None:
                     num_fewshot=num_fewshot, max_gen_toks=int(max_gen), checks=checks,
                     bench_serving=bench.model_dump() if "bench_serving" in checks else None,
                     hybrid_switch=HYBRID_SWITCH, engine=None if engine is None else engine.model_dump(),
-                    data_dir=str(cfg["data_dir"]))
+                    data_dir=str(core.data_dir))
     t0 = time.perf_counter()
     rows = check_arms(args.model_dir, settings["arms"], specs, args.prompts, n_prompts=args.n_prompts,
-                      max_tokens=args.max_tokens, data_dir=cfg["data_dir"], limit=args.limit, num_fewshot=num_fewshot,
-                      max_gen_toks=int(max_gen), engine=engine, label=args.label, dtype=cfg["dtype"],
-                      device=cfg["device"], seed=int(cfg["seed"]), checks=checks, bench=bench)
+                      max_tokens=args.max_tokens, data_dir=core.data_dir, limit=args.limit, num_fewshot=num_fewshot,
+                      max_gen_toks=int(max_gen), engine=engine, label=args.label, dtype=core.dtype,
+                      device=core.device, seed=core.seed, checks=checks, bench=bench)
     wall = time.perf_counter() - t0
-    prov = provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    prov = run_provenance(cfg)
     summary = write_outputs(rows, args.out, args.summary,
                             extra=dict(label=args.label or str(args.model_dir).rstrip("/").split("/")[-1],
                                        settings=settings, wall_s=round(wall, 1), **prov))

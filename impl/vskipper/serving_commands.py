@@ -55,6 +55,7 @@ import math
 from pathlib import Path
 
 from ..argtypes import positive_int
+from ..schema import core_config
 from .schema import Engine, Quality, vskipper_section
 
 log = logging.getLogger("impl.serving")
@@ -118,9 +119,9 @@ def _load_skipper(path: str, model):
 
 
 def _prov(cfg: dict) -> dict:
-    from impl.provenance import provenance
+    from impl.runtime import run_provenance
 
-    return provenance(cfg, seed=cfg["seed"], device=cfg["device"], dtype=cfg["dtype"])
+    return run_provenance(cfg)
 
 
 # --------------------------------------------------------------------------------------------- train
@@ -134,13 +135,14 @@ def cmd_train_flexidepth(args) -> None:
     from impl.vskipper.flexidepth import FlexiDepthTrainConfig, train_flexidepth
 
     cfg = _cfg_threads(args)
+    core = core_config(cfg)
     v = vskipper_section(cfg)
     f = v.flexidepth
     model = _load_model(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
-    train, val = sharegpt_tokens(cfg["data_dir"], tok, f.max_chars)
+    train, val = sharegpt_tokens(core.data_dir, tok, f.max_chars)
     tcfg = FlexiDepthTrainConfig(routed_layers=f.routed_layers, steps=f.steps, batch_size=f.batch_size,
-                                 seq_len=f.seq_len, lr=f.lr, skip_alpha=f.skip_alpha, seed=cfg["seed"],
+                                 seq_len=f.seq_len, lr=f.lr, skip_alpha=f.skip_alpha, seed=core.seed,
                                  threads=f.threads, eval_windows=f.eval_windows,
                                  log_every=max(1, min(25, f.steps // 4)))
     n_val = f.eval_windows * f.seq_len
@@ -182,6 +184,7 @@ def cmd_profile_mode(args) -> None:
     from impl.vskipper.mode import ModeSwitch, derive_thresholds, profile_routed_cost
 
     cfg = _cfg_threads(args)
+    core = core_config(cfg)
     v = vskipper_section(cfg)
     p = v.profile
     model = _load_model(cfg, args.model_dir)
@@ -210,7 +213,7 @@ def cmd_profile_mode(args) -> None:
         bind_skipper(model, skipper)
     profile = profile_routed_cost(model, skipper, prefill_tokens=p.prefill_tokens,
                                   prefill_prompt_len=p.prefill_prompt_len, decode_requests=p.decode_requests,
-                                  decode_context=p.decode_context, repeats=p.repeats, seed=cfg["seed"])
+                                  decode_context=p.decode_context, repeats=p.repeats, seed=core.seed)
     unbind_skipper(model)
     out["profile"] = profile
     if args.policy == "flexidepth":
@@ -276,12 +279,13 @@ def cmd_knee(args) -> None:
     from impl.serving.protocol import cell_seed
 
     cfg = _cfg_threads(args)
+    core = core_config(cfg)
     v = vskipper_section(cfg)
     kn = v.knee
     model = _load_model(cfg, args.model_dir)
     reqs = _requests(v, args.prompts, kn.requests)
     arm = ContinuousBatchingArm(model, UPSTREAM, cb_config=cb_config_for(v.engine, reqs))
-    seed = cell_seed(cfg["seed"], args.workload, "knee-sweep")
+    seed = cell_seed(core.seed, args.workload, "knee-sweep")
     rows = []
     try:
         _, rows = knee_sweep(arm, reqs, kn.rates, seed=seed, eps=kn.eps, timeout_s=v.timeout_s,
@@ -357,6 +361,7 @@ def cmd_serve_cell(args) -> None:
     from impl.serving.protocol import CellError, CellSpec, run_protocol, stamp_rows
 
     cfg = _cfg_threads(args)
+    core = core_config(cfg)
     v = vskipper_section(cfg)
     knee = _read_json(args.knee)
     if args.point not in knee["load_factors"]:
@@ -385,8 +390,8 @@ def cmd_serve_cell(args) -> None:
     rows: list[dict] = []
     for lane in lanes:
         try:
-            got = run_protocol(arms, [spec], repetitions=reps, seed=cfg["seed"], baseline=UPSTREAM, lanes=(lane,),
-                               out=None, config=cfg, device=cfg["device"], dtype=cfg["dtype"],
+            got = run_protocol(arms, [spec], repetitions=reps, seed=core.seed, baseline=UPSTREAM, lanes=(lane,),
+                               out=None, config=cfg, device=core.device, dtype=core.dtype,
                                run_id=prov["run_id"], timeout_s=v.timeout_s, keep_ids=not args.drop_ids)
             rows += [{**r, **base} for r in got]
         except (CellError, MatchedWorkError) as e:
@@ -410,6 +415,7 @@ def cmd_randomskip_map(args) -> None:
     from impl.serving.protocol import CellError, cell_seed, run_cell, stamp_rows
 
     cfg = _cfg_threads(args)
+    core = core_config(cfg)
     v = vskipper_section(cfg)
     rs = v.randomskip
     knee = _read_json(args.knee)
@@ -426,7 +432,7 @@ def cmd_randomskip_map(args) -> None:
     reqs = _requests(v, args.prompts, rs.requests)
     cb = cb_config_for(v.engine, reqs)
     upstream = ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)
-    seed = cell_seed(cfg["seed"], args.workload, f"randomskip-{rs.point}")
+    seed = cell_seed(core.seed, args.workload, f"randomskip-{rs.point}")
     lengths = None
     rows: list[dict] = []
     for r in rs.r:
@@ -509,13 +515,14 @@ def cmd_quality_tasks(args) -> None:
     from impl.runtime import config_from_args
 
     cfg = config_from_args(args)
+    core = core_config(cfg)
     q = vskipper_section(cfg).quality
     if q is None:
         raise SystemExit("error: the config has no 'vskipper.quality' section")
     suites = args.suites or list(q.tasks)
     out = Path(args.out)
     try:
-        ts = write_task_yamls(cfg["data_dir"], out, suites, quality_options(q, out / "hf_datasets"))
+        ts = write_task_yamls(core.data_dir, out, suites, quality_options(q, out / "hf_datasets"))
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     names = ",".join(ts.task_names)
@@ -540,6 +547,7 @@ def cmd_quality_cell(args) -> None:
     from impl.vskipper.quality_run import run_quality
 
     cfg = _cfg_threads(args)
+    core = core_config(cfg)
     v = vskipper_section(cfg)
     q = v.quality
     if q is None:
@@ -564,10 +572,10 @@ def cmd_quality_cell(args) -> None:
     rows: list[dict]
     with tempfile.TemporaryDirectory(prefix="vsk_quality_hf_") as cache:
         try:
-            res = run_quality(args.model_dir, skipper, cfg["data_dir"], (suite,), q.limit, work,
-                              options=quality_options(q, cache), device=cfg["device"], dtype=cfg["dtype"],
+            res = run_quality(args.model_dir, skipper, core.data_dir, (suite,), q.limit, work,
+                              options=quality_options(q, cache), device=core.device, dtype=core.dtype,
                               max_length=max_length, cb_config=cb, first_token_docs=q.first_token_docs,
-                              tol=q.tol, seed=int(cfg["seed"]), config=run_cfg, served="http",
+                              tol=q.tol, seed=core.seed, config=run_cfg, served="http",
                               http_concurrency=conc)
         except PromptMismatchError as e:
             log.error("quality %s rejected by the prompt-hash gate: %s", suite, e)
@@ -620,6 +628,7 @@ def cmd_quality_served(args) -> None:
     from impl.vskipper.mode import ModeSwitch
 
     cfg = _cfg_threads(args)
+    core = core_config(cfg)
     v = vskipper_section(cfg)
     q = v.quality
     if q is None:
@@ -663,11 +672,11 @@ def cmd_quality_served(args) -> None:
         shutil.rmtree(work)
     with tempfile.TemporaryDirectory(prefix="vsk_served_hf_") as cache:
         try:
-            res = run_served_knee(args.model_dir, f"flexidepth:{args.flexidepth}", reqs, cfg["data_dir"], suite,
+            res = run_served_knee(args.model_dir, f"flexidepth:{args.flexidepth}", reqs, core.data_dir, suite,
                                   rate=kf["rate"], switch=switch, out=work, limit=q.limit,
                                   options=quality_options(q, cache), pad_prompts=pads, n_requests=n_req,
-                                  pad_max_tokens=v.max_new_tokens, seed=int(cfg["seed"]), device=cfg["device"],
-                                  dtype=cfg["dtype"], engine=v.engine, timeout_s=v.timeout_s,
+                                  pad_max_tokens=v.max_new_tokens, seed=core.seed, device=core.device,
+                                  dtype=core.dtype, engine=v.engine, timeout_s=v.timeout_s,
                                   extra=base, config=run_cfg, run_id=prov["run_id"])
         except ServedStreamError as e:
             reject("failed requests", e, e.rows)

@@ -267,6 +267,68 @@ def test_random_skip_engine_matches_plain_per_request(base_model):
     assert all(0.1 < r < 0.6 for r in engine_ratio.values())  # Project-Only rows in prefill and in decode
 
 
+class _PerLayerRandomSkip(RandomSkip):
+    """RandomSkip asked per layer (no route tape): the reference the tape must reproduce."""
+
+    def route_tape(self, meta):
+        return None
+
+
+def test_route_tape_matches_per_layer_routes_in_the_engine(base_model):
+    """The route tape (Sec. 3.1) changes where the masks are computed, not what they are: the same
+    tokens, logprobs and RUN / Project-Only counts as the per-layer policy, in the engine's packed
+    chunked-prefill batches (padding rows included)."""
+    kw = dict(routed_layers=range(1, N_LAYERS), r=0.5, d=2 / 3, seed=3)
+    tape_m, ref_m = _bound(base_model, RandomSkip(**kw)), _bound(base_model, _PerLayerRandomSkip(**kw))
+    ids = [f"doc-{i}" for i in range(len(PROMPTS))]
+    got, got_lp = generate_greedy(tape_m, PROMPTS, max_new_tokens=NEW, request_ids=ids, cb_config=_cb(),
+                                  return_logprobs=True)
+    want, want_lp = generate_greedy(ref_m, PROMPTS, max_new_tokens=NEW, request_ids=ids, cb_config=_cb(),
+                                    return_logprobs=True)
+    assert got == want and got_lp == want_lp
+    assert routed_context(tape_m).counts == routed_context(ref_m).counts
+    assert 0.1 < routed_context(tape_m).skip_ratio() < 0.6
+
+
+def test_route_tape_is_built_once_per_forward_and_all_run_layers_go_dense(base_model, monkeypatch):
+    from impl.vskipper.routed import RoutedDecoderLayer
+
+    sk = StaticDepthSkipper(routed_layers=[1, 2, 3], n_run=2)  # layers 1, 2 all RUN; layer 3 Project-Only
+    routed = _bound(base_model, sk)
+    ctx = routed_context(routed)
+    calls, cohort = [], []
+    orig_tape, orig_cohort = sk.route_tape, RoutedDecoderLayer._cohort_forward
+    monkeypatch.setattr(sk, "route_tape", lambda meta: calls.append(len(meta)) or orig_tape(meta))
+
+    def spy(self, *a, **k):
+        cohort.append(self.layer_idx)
+        return orig_cohort(self, *a, **k)
+
+    monkeypatch.setattr(RoutedDecoderLayer, "_cohort_forward", spy)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    meta = RowMeta.for_sequence("a", 0, 4, prompt_len=4)
+    with torch.no_grad(), ctx.rows(meta):
+        a = routed(ids, position_ids=torch.arange(4)[None]).logits
+        b = routed(ids, position_ids=torch.arange(4)[None]).logits  # a second forward on the same rows
+    assert torch.equal(a, b)
+    assert calls == [4, 4]  # one tape per forward, not per layer
+    assert cohort == [3, 3]  # the all-RUN layers 1 and 2 never entered the cohort path
+    assert ctx.counts == {(1, 0): [8, 0], (2, 0): [8, 0], (3, 0): [0, 8]}  # both forwards counted
+
+
+def test_a_bad_route_tape_is_refused_at_the_layer(base_model):
+    class Bad(StaticDepthSkipper):
+        def route_tape(self, meta):
+            return torch.ones(len(meta), 2, dtype=torch.bool)  # 3 routed layers
+
+    routed = _bound(base_model, StaticDepthSkipper(routed_layers=[1, 2, 3], n_run=1))
+    for layer in routed.model.layers[1:]:
+        object.__setattr__(layer, "skipper", Bad(routed_layers=[1, 2, 3], n_run=1))
+    with torch.no_grad(), routed_context(routed).rows(RowMeta.for_sequence("a", 0, 3, prompt_len=3)):
+        with pytest.raises(ValueError, match=r"route_tape must return shape \[3, 3\]"):
+            routed(torch.tensor([[5, 6, 7]]), position_ids=torch.arange(3)[None])
+
+
 def _continues_a_prefill(meta):
     first = {}
     for rid, tok, ph in zip(meta.request_ids, meta.token_idx.tolist(), meta.phase.tolist()):

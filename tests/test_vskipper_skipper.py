@@ -211,3 +211,74 @@ def test_random_skip_rejects_bad_parameters():
         RandomSkip(range(4), r=1.5, d=0.5)
     with pytest.raises(ValueError, match="layer_choice"):
         RandomSkip(range(4), r=0.5, d=0.5, layer_choice="sometimes")
+
+
+# -- the route tape (Sec. 3.1): every routed layer's route of a step at once ----------------------------
+def _route_py(sk: RandomSkip, key: int, token: int, layer: int) -> bool:
+    """RandomSkip's definition in pure Python (module docstring): RUN unless the row is selected and
+    ``layer`` is among its k routed layers of smallest hash (ties by layer order)."""
+    if not hash_uniform_py(sk.seed, key, token, ROW_SALT) < sk.r:
+        return True
+    if sk.layer_choice == "fixed":
+        return layer not in sk._fixed_skip
+    us = [(hash_uniform_py(sk.seed, key, token, x), i) for i, x in enumerate(sk.routed_layers)]
+    skipped = {sk.routed_layers[i] for _, i in sorted(us)[: sk.k]}
+    return layer not in skipped
+
+
+@pytest.mark.parametrize("r, d, choice", [(0.5, 0.5, "per_row"), (0.75, 0.25, "per_row"), (1.0, 1.0, "per_row"),
+                                          (0.5, 0.75, "fixed"), (0.0, 0.5, "per_row"), (0.5, 0.0, "per_row")])
+def test_random_skip_tape_equals_per_layer_routes_and_the_python_definition(r, d, choice):
+    sk = RandomSkip([3, 1, 2, 7, 5], r=r, d=d, seed=9, layer_choice=choice)
+    meta = _meta(7, 9, start=2).pad_to(66)  # padding rows included
+    h = torch.randn(len(meta), 4)
+    tape = sk.route_tape(meta)
+    assert tape.dtype == torch.bool and tuple(tape.shape) == (66, 5)
+    for j, layer in enumerate(sk.routed_layers):
+        assert torch.equal(tape[:, j], sk.route(layer, h, meta)), layer
+    keys, toks = meta.request_keys.tolist(), meta.token_idx.tolist()
+    for i in range(0, 63, 5):
+        assert tape[i].tolist() == [_route_py(sk, keys[i], toks[i], x) for x in sk.routed_layers], i
+    validate_skipper(sk, num_layers=8)
+
+
+def test_random_skip_tape_breaks_hash_ties_by_layer_order(monkeypatch):
+    sk = RandomSkip(range(4), r=1.0, d=0.5, seed=0)
+    meta = _meta(1, 3)
+    # equal hashes for every layer: the k lowest-ordered layers are skipped, as skips_layer's count rule says
+    monkeypatch.setattr("impl.vskipper.random_skip.hash_uniform", lambda seed, keys, toks, salt: torch.zeros(
+        torch.broadcast_shapes(keys.shape, toks.shape, salt.shape if isinstance(salt, torch.Tensor) else ()),
+        dtype=torch.float64))
+    tape = sk.route_tape(meta)
+    per_layer = torch.stack([sk.route(x, torch.zeros(3, 2), meta) for x in sk.routed_layers], 1)
+    assert torch.equal(tape, per_layer)
+    assert tape[0].tolist() == [False, False, True, True]
+
+
+def test_static_depth_tape_and_hidden_state_policies_have_none():
+    sk = StaticDepthSkipper(routed_layers=[6, 4, 5, 7], n_run=3)
+    tape = sk.route_tape(_meta(2, 3))
+    assert tape.tolist() == [[True, True, True, False]] * 6
+    assert _Returns(lambda h, m: h[:, 0] > 0).route_tape(_meta(1, 2)) is None
+
+
+class _BadTape(Skipper):
+    def __init__(self, tape_fn):
+        super().__init__((1, 2))
+        self.tape_fn = tape_fn
+
+    def route(self, layer_idx, hidden, meta):
+        return torch.ones(len(meta), dtype=torch.bool)
+
+    def route_tape(self, meta):
+        return self.tape_fn(meta)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda m: torch.ones(len(m), 2), "torch.bool"),
+    (lambda m: torch.ones(len(m), 3, dtype=torch.bool), r"shape \[8, 2\]"),
+    (lambda m: torch.zeros(len(m), 2, dtype=torch.bool), "disagrees with _BadTape.route"),
+])
+def test_validate_rejects_a_tape_that_is_not_the_routes(fn, match):
+    with pytest.raises(ValueError, match=match):
+        validate_skipper(_BadTape(fn), num_layers=4)

@@ -473,6 +473,10 @@ class _Forced(Skipper):
         self.inner.route(layer_idx, hidden, meta)  # the router's cost is part of routed mode
         return torch.full((hidden.shape[0],), self.run, dtype=torch.bool, device=hidden.device)
 
+    def route_tape(self, meta):
+        tape = self.inner.route_tape(meta)  # a tape policy pays its cost once per step, forced or not
+        return None if tape is None else torch.full(tuple(tape.shape), self.run, dtype=torch.bool, device=tape.device)
+
     def project(self, layer_idx, hidden, meta):
         return self.inner.project(layer_idx, hidden, meta)
 

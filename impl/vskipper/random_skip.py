@@ -155,6 +155,31 @@ class RandomSkip(Skipper):
         before = (u < mine) | ((u == mine) & (idx[None, :] < j))
         return before.sum(dim=1) < self.k
 
+    def skip_layers(self, meta: RowMeta) -> torch.Tensor:
+        """``[n_rows, n_routed]`` bool: the k routed layers each row would skip if selected (column j for
+        ``routed_layers[j]``), all at once: :meth:`skips_layer` for every routed layer.
+
+        ``per_row``: the k layers of smallest ``U(seed, request, token, layer)`` (ties by layer order: a
+        stable sort gives each layer its rank); ``fixed``: the same k layers for every row.
+        """
+        n_rows, n = len(meta), len(self.routed_layers)
+        device = meta.token_idx.device
+        if self.k == 0 or n == 0:
+            return torch.zeros(n_rows, n, dtype=torch.bool, device=device)
+        if self.layer_choice == "fixed":
+            cols = torch.tensor([layer in self._fixed_skip for layer in self.routed_layers], device=device)
+            return cols[None, :].expand(n_rows, -1)
+        u = hash_uniform(self.seed, meta.request_keys[:, None], meta.token_idx[:, None],
+                         self._layers.to(device)[None, :])  # [n_rows, n] float64
+        order = torch.sort(u, dim=1, stable=True).indices  # [n_rows, n]: layer positions by (u, index)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=device).expand(n_rows, -1))
+        return rank < self.k
+
+    def route_tape(self, meta: RowMeta) -> torch.Tensor:
+        """``[n_rows, n_routed]`` bool, True = RUN: every routed layer's :meth:`route` of the step in one
+        hash evaluation (the route tape, Sec. 3.1)."""
+        return ~(self.selected(meta)[:, None] & self.skip_layers(meta))
+
     def route(self, layer_idx: int, hidden: torch.Tensor, meta: RowMeta) -> torch.Tensor:
         """``[n_rows]`` bool, True = RUN: a row takes Project-Only iff it is selected and
         ``layer_idx`` is one of its k skipped layers. Ignores ``hidden`` (pure hash)."""

@@ -17,6 +17,13 @@ batch of rows ``[1, T, H]`` whose actions a :class:`~impl.vskipper.skipper.Skipp
    batch whose rows are all dense (mode switch, :mod:`impl.vskipper.mode`) runs the original layer
    without consulting the router.
 
+**The route tape** (Sec. 3.1). The row metadata is checked against the batch and padded once per
+forward, at the first routed layer (:meth:`RowContext.step_rows`). A request-hash policy (RandomSkip,
+static depth: :meth:`~impl.vskipper.skipper.Skipper.route_tape`) then computes every routed layer's
+masks once per step (:class:`RouteTape`, one host sync for all layers' all-RUN flags and counts), and
+each layer reads its column: an all-RUN layer calls the original layer with no per-row work. A
+hidden-state policy (FlexiDepth) has no tape and is asked per layer, as it must be.
+
 The same layer serves two callers:
 
 - a plain PyTorch forward: ``[1, S, H]`` with a cache of the model's own kind (``DynamicCache``), the
@@ -38,16 +45,18 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .skipper import RowMeta, Skipper, as_run_mask
+from .skipper import RowMeta, Skipper, as_run_mask, check_route_tape
 
 __all__ = [
+    "RouteTape",
     "RowContext",
     "RoutedDecoderLayer",
     "install_routed_layers",
@@ -58,6 +67,26 @@ __all__ = [
 ]
 
 _CONTEXT_ATTR = "_vskipper_context"
+_UNSET = object()
+
+
+@dataclass(frozen=True, eq=False)
+class RouteTape:
+    """One engine step's routes at every routed layer (vSkipper Sec. 3.1), built once per step from a
+    request-hash policy's :meth:`~impl.vskipper.skipper.Skipper.route_tape`.
+
+    Attributes:
+        run: ``[n_rows, n_routed]`` torch.bool, True = RUN; dense and padding rows are RUN.
+        all_run: per routed layer (column order), whether every row RUNs: such a layer takes the dense
+            path with no per-row work.
+        any_routed: whether any row is routed (not dense, not padding).
+        column: routed layer index -> column of ``run``.
+    """
+
+    run: torch.Tensor
+    all_run: tuple[bool, ...]
+    any_routed: bool
+    column: Mapping[int, int]
 
 
 class RowContext:
@@ -74,8 +103,10 @@ class RowContext:
             mode (``RowMeta.routed``) before the batch runs; the engine binding applies it through
             :meth:`plan` (the mode switch, :mod:`impl.vskipper.mode`). None: every row is routed.
         batches: how many batches were described so far.
-        record_stats: when True (default), every routed layer call adds its per-phase RUN and
-            Project-Only row counts to ``counts`` (one host sync per layer; turn off on accelerators).
+        record_stats: when True (default), the per-phase RUN and Project-Only row counts of every
+            routed layer call go to ``counts`` (a request-hash policy's route tape records the whole
+            step's in its one host sync; a per-layer policy costs one sync per layer: turn off on
+            accelerators).
         counts: ``{(layer_idx, phase): [n_run, n_project_only]}`` over routed (non-dense, non-padding)
             rows.
     """
@@ -88,6 +119,8 @@ class RowContext:
         self.batches = 0
         self.record_stats = record_stats
         self.counts: dict[tuple[int, int], list[int]] = {}
+        self._step: tuple | None = None  # (n_rows, device, checked and padded RowMeta) of this forward
+        self._tape = _UNSET  # this forward's RouteTape, None (per-layer policy) or _UNSET (not built)
 
     @property
     def meta(self) -> RowMeta | None:
@@ -97,6 +130,7 @@ class RowContext:
     @meta.setter
     def meta(self, meta: RowMeta | None) -> None:
         self._meta = meta
+        self._step, self._tape = None, _UNSET
         # one host sync per batch, not per layer
         self.batch_dense = meta is not None and meta.routed is not None and len(meta) > 0 and not bool(
             meta.routed_mask.any())
@@ -147,6 +181,93 @@ class RowContext:
             if phase is None or ph == int(phase):
                 run, po = run + r, po + p
         return po / (run + po) if run + po else float("nan")
+
+    def step_rows(self, layer_idx: int, first_layer: int, hidden_states: torch.Tensor,
+                  position_ids: torch.Tensor | None) -> RowMeta:
+        """The current forward's rows, checked against the batch and padded to its ``n_rows`` once per
+        forward: the first routed layer (``first_layer``) checks and pads :attr:`meta`, later layers of
+        the same forward reuse it.
+
+        Args:
+            layer_idx: the calling routed layer.
+            first_layer: the model's first routed layer (a new forward starts there).
+            hidden_states: ``[1, n_rows, H]`` the layer's input.
+            position_ids: the batch's ``[1, n_rows]`` positions, or None.
+
+        Returns:
+            the :class:`RowMeta` of ``n_rows`` rows on the hidden states' device (padding rows RUN).
+
+        Raises:
+            RuntimeError: no row metadata, or stale metadata (more rows than the batch, or token indices
+                that disagree with ``position_ids``: Invariant 2).
+        """
+        n_rows, device = hidden_states.shape[1], hidden_states.device
+        st = self._step
+        if layer_idx != first_layer and st is not None and st[0] == n_rows and st[1] == device:
+            return st[2]
+        meta = self.meta
+        if meta is None:
+            raise RuntimeError(
+                f"routed layer {layer_idx}: no row metadata for this batch; describe the rows with "
+                "RowContext.rows(RowMeta(...)) or run through impl.vskipper.engine"
+            )
+        n_meta = len(meta)
+        if n_meta > n_rows:
+            raise RuntimeError(
+                f"routed layer {layer_idx}: stale row metadata ({n_meta} rows described, batch has {n_rows})"
+            )
+        if meta.token_idx.device != device:
+            meta = meta.to(device)
+        if position_ids is not None:
+            pos = position_ids.reshape(-1)[:n_meta].to(torch.long)
+            if not torch.equal(pos, meta.token_idx):
+                raise RuntimeError(
+                    f"routed layer {layer_idx}: stale row metadata: token indices {meta.token_idx.tolist()[:8]}"
+                    f" disagree with the batch's position_ids {pos.tolist()[:8]} (Invariant 2)"
+                )
+        if n_meta < n_rows:  # engine padding rows: always RUN
+            pad_pos = None if position_ids is None else position_ids.reshape(-1)[n_meta:]
+            meta = meta.pad_to(n_rows, pad_pos)
+        self._step, self._tape = (n_rows, device, meta), _UNSET
+        return meta
+
+    def tape(self, skipper: Skipper, meta: RowMeta) -> RouteTape | None:
+        """This forward's :class:`RouteTape` of ``skipper`` over ``meta`` (the rows of
+        :meth:`step_rows`), built at the first call of the forward: one ``skipper.route_tape`` call and
+        one host sync for every layer's all-RUN flag (and, with :attr:`record_stats`, every layer's
+        counts). None when the policy routes per layer (hidden-state policies).
+
+        Raises:
+            ValueError: the policy's tape is not a ``[n_rows, n_routed]`` bool tensor.
+        """
+        if self._tape is not _UNSET:
+            return self._tape
+        raw = skipper.route_tape(meta)
+        if raw is None:
+            self._tape = None
+            return None
+        layers = skipper.routed_layers
+        raw = check_route_tape(raw, len(meta), len(layers), who=type(skipper).__name__)
+        routed = meta.routed_mask  # [n_rows]
+        run = raw | ~routed[:, None]  # [n_rows, n_routed]
+        flags = [run.all(dim=0).long(), routed.any().long()[None]]
+        if self.record_stats:
+            sel = torch.stack([routed & (meta.phase == ph) for ph in (0, 1)])  # [2, n_rows]
+            flags += [sel.sum(dim=1), (sel[:, :, None] & run[None]).sum(dim=1).reshape(-1)]
+        host = torch.cat(flags).tolist()  # the step's one host sync
+        n = len(layers)
+        tape = RouteTape(run, tuple(bool(x) for x in host[:n]), bool(host[n]), {layer: j for j, layer in enumerate(layers)})
+        if self.record_stats:
+            n_sel, n_run = host[n + 1:n + 3], host[n + 3:]
+            for ph in (0, 1):
+                if n_sel[ph]:
+                    for j, layer in enumerate(layers):
+                        c = self.counts.setdefault((layer, ph), [0, 0])
+                        r = n_run[ph * n + j]
+                        c[0] += r
+                        c[1] += n_sel[ph] - r
+        self._tape = tape
+        return tape
 
     def _record(self, layer_idx: int, run: torch.Tensor, meta: RowMeta) -> None:
         routed = meta.routed_mask
@@ -257,44 +378,28 @@ class RoutedDecoderLayer(nn.Module):
         ctx = self.context
         if ctx.dense or ctx.batch_dense:
             return self.layer(hidden_states, **layer_kwargs)
-        meta = ctx.meta
-        if meta is None:
-            raise RuntimeError(
-                f"routed layer {self.layer_idx}: no row metadata for this batch; describe the rows with "
-                "RowContext.rows(RowMeta(...)) or run through impl.vskipper.engine"
-            )
         if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
             raise ValueError(
                 f"routed layer {self.layer_idx}: expects packed rows [1, T, H], got {tuple(hidden_states.shape)}"
             )
-        n_rows = hidden_states.shape[1]
-        n_meta = len(meta)
-        if n_meta > n_rows:
-            raise RuntimeError(
-                f"routed layer {self.layer_idx}: stale row metadata ({n_meta} rows described, batch has {n_rows})"
-            )
-        if meta.token_idx.device != hidden_states.device:
-            meta = meta.to(hidden_states.device)
-        if position_ids is not None:
-            pos = position_ids.reshape(-1)[:n_meta].to(torch.long)
-            if not torch.equal(pos, meta.token_idx):
-                raise RuntimeError(
-                    f"routed layer {self.layer_idx}: stale row metadata: token indices {meta.token_idx.tolist()[:8]}"
-                    f" disagree with the batch's position_ids {pos.tolist()[:8]} (Invariant 2)"
-                )
-        if n_meta < n_rows:  # engine padding rows: always RUN
-            pad_pos = None if position_ids is None else position_ids.reshape(-1)[n_meta:]
-            meta = meta.pad_to(n_rows, pad_pos)
-
-        x = hidden_states[0]
-        run = as_run_mask(self.skipper.route(self.layer_idx, x, meta), n_rows, layer_idx=self.layer_idx,
-                          who=type(self.skipper).__name__)
-        routed = meta.routed_mask
-        run = run | ~routed
-        if ctx.record_stats:
-            ctx._record(self.layer_idx, run, meta)
-        if self.fast_path and bool(run.all()) and (self.skipper.identity_run or not bool(routed.any())):
-            return self.layer(hidden_states, **layer_kwargs)
+        meta = ctx.step_rows(self.layer_idx, self.skipper.routed_layers[0], hidden_states, position_ids)
+        tape = ctx.tape(self.skipper, meta)
+        if tape is not None:
+            # a request-hash policy: this layer's column of the step's route tape, no per-row work here
+            j = tape.column[self.layer_idx]
+            if self.fast_path and tape.all_run[j] and (self.skipper.identity_run or not tape.any_routed):
+                return self.layer(hidden_states, **layer_kwargs)
+            run = tape.run[:, j]
+        else:
+            n_rows = hidden_states.shape[1]
+            run = as_run_mask(self.skipper.route(self.layer_idx, hidden_states[0], meta), n_rows,
+                              layer_idx=self.layer_idx, who=type(self.skipper).__name__)
+            routed = meta.routed_mask
+            run = run | ~routed
+            if ctx.record_stats:
+                ctx._record(self.layer_idx, run, meta)
+            if self.fast_path and bool(run.all()) and (self.skipper.identity_run or not bool(routed.any())):
+                return self.layer(hidden_states, **layer_kwargs)
         return self._cohort_forward(hidden_states, run, meta, attention_mask, position_ids, cache, use_cache,
                                     position_embeddings, kwargs)
 

@@ -56,6 +56,7 @@ __all__ = [
     "registered_skippers",
     "validate_skipper",
     "as_run_mask",
+    "check_route_tape",
     "request_key",
 ]
 
@@ -269,6 +270,24 @@ def as_run_mask(actions, n_rows: int, *, layer_idx: int | None = None, who: str 
     return actions == int(Action.RUN)
 
 
+def check_route_tape(tape, n_rows: int, n_routed: int, *, who: str = "skipper") -> torch.Tensor:
+    """Check a :meth:`Skipper.route_tape` result: a ``[n_rows, n_routed]`` torch.bool tensor.
+
+    Returns:
+        ``tape`` unchanged.
+
+    Raises:
+        ValueError: if it is not a tensor, not bool, or of another shape.
+    """
+    if not isinstance(tape, torch.Tensor) or tape.dtype != torch.bool:
+        what = tape.dtype if isinstance(tape, torch.Tensor) else type(tape).__name__
+        raise ValueError(f"{who}.route_tape must return a torch.bool tensor (True = RUN), got {what}")
+    if tuple(tape.shape) != (n_rows, n_routed):
+        raise ValueError(f"{who}.route_tape must return shape [{n_rows}, {n_routed}] (rows x routed layers), got "
+                         f"{tuple(tape.shape)}")
+    return tape
+
+
 class Skipper(nn.Module):
     """Base class of skip policies (the skipper interface, Sec. 3).
 
@@ -312,6 +331,24 @@ class Skipper(nn.Module):
             also accepted).
         """
         raise NotImplementedError(f"{type(self).__name__} must implement route(layer_idx, hidden, meta)")
+
+    def route_tape(self, meta: RowMeta) -> torch.Tensor | None:
+        """Every routed layer's route of one engine step at once: the *route tape* (Sec. 3.1).
+
+        A policy whose decisions do not depend on hidden states (request-hash policies such as
+        RandomSkip, static depth) computes the whole step's masks once; the routed layers then read
+        their column instead of calling :meth:`route` per layer, and a layer whose column is all RUN
+        takes the dense path with no per-row work. Hidden-state policies (FlexiDepth) return None
+        (default) and are asked per layer, as they must be.
+
+        Args:
+            meta: the step's :class:`RowMeta` (``n_rows`` rows, padding included).
+
+        Returns:
+            ``[n_rows, n_routed]`` torch.bool (True = RUN), column ``j`` for ``routed_layers[j]``, equal
+            to ``route(routed_layers[j], hidden, meta)`` for any ``hidden``; or None.
+        """
+        return None
 
     # -- the Project-Only path ------------------------------------------------------------------------
     def projector(self, layer_idx: int) -> nn.Module | None:
@@ -481,6 +518,12 @@ def validate_skipper(
     skipper.eval()
     try:
         with torch.no_grad():
+            try:
+                tape = skipper.route_tape(meta)
+            except Exception as exc:  # noqa: BLE001 - re-raised with context
+                raise ValueError(f"{name}.route_tape failed on the start-up probe: {exc!r}") from exc
+            if tape is not None:
+                tape = check_route_tape(tape, probe_rows, len(skipper.routed_layers), who=name)
             for layer in skipper.routed_layers:
                 try:
                     first = skipper.route(layer, hidden, meta)
@@ -493,6 +536,9 @@ def validate_skipper(
                     raise ValueError(
                         f"{name}.route(layer {layer}) is not deterministic: the same rows got different actions"
                     )
+                if tape is not None and not torch.equal(tape[:, skipper.routed_layers.index(layer)], m1):
+                    raise ValueError(f"{name}.route_tape disagrees with {name}.route(layer {layer}) on the start-up "
+                                     "probe: the tape must hold every routed layer's route")
                 idx = torch.arange(2, device=device)
                 try:
                     out = skipper.project(layer, hidden[:2], meta.select(idx))
@@ -532,6 +578,11 @@ class StaticDepthSkipper(Skipper):
     def route(self, layer_idx: int, hidden: torch.Tensor, meta: RowMeta) -> torch.Tensor:
         """All rows RUN at the first ``n_run`` routed layers, Project-Only after; ``[n_rows]`` bool."""
         return torch.full((hidden.shape[0],), layer_idx in self._run_layers, dtype=torch.bool, device=hidden.device)
+
+    def route_tape(self, meta: RowMeta) -> torch.Tensor:
+        """``[n_rows, n_routed]`` bool: column j is RUN iff j < ``n_run`` (the same for every row)."""
+        cols = torch.arange(len(self.routed_layers), device=meta.token_idx.device) < self.n_run
+        return cols[None, :].expand(len(meta), -1)
 
     def extra_repr(self) -> str:
         return f"routed_layers={self.routed_layers}, n_run={self.n_run}"

@@ -36,11 +36,10 @@ BENCH_DEFAULTS = dict(
 def _settings(args, cfg: dict | None) -> dict:
     """Flag, else the config's ``vskipper.bench`` key (typed: :class:`impl.vskipper.schema.Bench`), else
     :data:`BENCH_DEFAULTS`, per setting."""
-    from .schema import VskipperSection
+    from .schema import optional_vskipper_section
 
-    bench = None
-    if isinstance(cfg, dict) and cfg.get("vskipper"):
-        bench = VskipperSection.model_validate(cfg["vskipper"]).bench
+    v = optional_vskipper_section(cfg) if cfg is not None else None
+    bench = v.bench if v is not None else None
     out = {}
     for k, v in BENCH_DEFAULTS.items():
         a = getattr(args, k, None)
@@ -141,10 +140,10 @@ def cmd_vskipper_http_check(args) -> None:
     set_threads(cfg)
     for name in ("ContinuousBatchingLogger", "lm_eval", "lm-eval"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from .schema import BenchServing, RandomSkipMap, VskipperSection
+    from .schema import BenchServing, RandomSkipMap, optional_vskipper_section
 
     core = core_config(cfg)
-    v = VskipperSection.model_validate(cfg["vskipper"]) if cfg.get("vskipper") else None
+    v = optional_vskipper_section(cfg)
     rs = v.randomskip if v is not None else RandomSkipMap()
     q = v.quality if v is not None else None
     engine = v.engine if v is not None else None

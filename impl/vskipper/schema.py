@@ -346,6 +346,12 @@ def vskipper_section(cfg: dict[str, Any]) -> VskipperSection:
     return typed_section(cfg, "vskipper", VskipperSection)
 
 
+def optional_vskipper_section(cfg: dict[str, Any]) -> VskipperSection | None:
+    """The validated config's ``vskipper`` section as a typed object, or None when the config has none
+    (commands that also run without it, with their own defaults)."""
+    return VskipperSection.model_validate(cfg["vskipper"]) if cfg.get("vskipper") else None
+
+
 def _error(msg: str):
     from impl.config import ConfigError  # impl.config imports this module lazily: no cycle at import
 

@@ -173,3 +173,100 @@ def test_dex_equals_ar_on_smollm2(smollm2_dir):
         ref_s = ar_decode(model, p, 8, rule=rule)
         out_s = DEXDecoder(ReferenceExecutor(model, uniform_exploration_set(30, 3), rule=rule), decs=True).decode(p, 8)
         assert out_s.tokens == ref_s.tokens
+
+
+# --- vSkipper's routed engine on the real model (grouped-query attention: 9 query / 3 K/V heads, 49k vocab)
+
+def _smollm2_prompts(tok):
+    from impl.workloads.tokenize import chat_ids
+
+    return [chat_ids(tok, "Name a primary color."),
+            tok("Question: Tom has 3 apples and buys 4 more. How many apples?\nAnswer:", add_special_tokens=False)[
+                "input_ids"],
+            chat_ids(tok, "Write one word that rhymes with cat.")]
+
+
+@pytest.mark.slow
+def test_routed_smollm2_all_run_equals_dense_and_engine_equals_plain(smollm2_dir):
+    """Always-RUN through the cohort path (gather, GQA attention on the RUN rows, scatter) reproduces the
+    dense model; under RandomSkip the continuous-batching engine (paged GQA cache, chunked prefill,
+    packed batches) gives each request the tokens of the plain-PyTorch routed reference."""
+    import copy
+
+    from impl.models.load import load_model, load_tokenizer
+    from impl.vskipper import (RandomSkip, StaticDepthSkipper, bind_skipper, generate_greedy, plain_greedy,
+                               routed_cb_config, routed_context)
+
+    torch.set_num_threads(1)
+    model, tok = load_model(smollm2_dir), load_tokenizer(smollm2_dir)
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (9, 3)
+    prompts = _smollm2_prompts(tok)
+    eos = model.config.eos_token_id
+    cohort = copy.deepcopy(model)
+    bind_skipper(cohort, StaticDepthSkipper(routed_layers=range(30), n_run=30), fast_path=False)
+    for p in prompts[:2]:
+        want, want_lp = plain_greedy(model, p, request_id="x", max_new_tokens=6, eos_token_id=eos, return_logits=True)
+        got, got_lp = plain_greedy(cohort, p, request_id="x", max_new_tokens=6, eos_token_id=eos, return_logits=True)
+        assert got == want
+        for a, b in zip(got_lp, want_lp):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    routed = copy.deepcopy(model)
+    bind_skipper(routed, RandomSkip(routed_layers=range(8, 24), r=0.5, d=0.5, seed=1))
+    ids = [f"smol-{i}" for i in range(len(prompts))]
+    cb = routed_cb_config(page_size=16, num_blocks=32, max_batch_tokens=24, max_requests_per_batch=3)
+    got = generate_greedy(routed, prompts, max_new_tokens=6, request_ids=ids, cb_config=cb)
+    want = [plain_greedy(routed, p, request_id=rid, max_new_tokens=6) for rid, p in zip(ids, prompts)]
+    assert got == want
+    assert 0.1 < routed_context(routed).skip_ratio() < 0.4  # r * d = 0.25 of (row, routed layer) pairs
+
+
+@pytest.mark.slow
+def test_routed_smollm2_project_only_rows_write_their_own_kv(smollm2_dir):
+    """Invariant 1 on the real model: a Project-Only row still writes this layer's K/V (grouped heads),
+    computed from its input hidden state: the routed model's cache equals a per-row reference's."""
+    import copy
+    import sys
+
+    from transformers import DynamicCache
+
+    from impl.models.load import load_model, load_tokenizer
+    from impl.vskipper import RandomSkip, RowMeta, bind_skipper, plain_forward
+
+    torch.set_num_threads(1)
+    model, tok = load_model(smollm2_dir), load_tokenizer(smollm2_dir)
+    prompt = _smollm2_prompts(tok)[1]
+    sk = RandomSkip(routed_layers=range(8, 24), r=0.75, d=0.5, seed=2)
+    routed = copy.deepcopy(model)
+    bind_skipper(routed, sk)
+    cache = DynamicCache(config=routed.config)
+    ids = torch.tensor([prompt])
+    plain_forward(routed, ids, cache, request_id="kv", prompt_len=len(prompt))
+    # per-row reference on the unmodified model: one token at a time
+    ref = DynamicCache(config=model.config)
+    layers = model.model.layers
+    n_po = 0
+    with torch.no_grad():
+        for pos, t in enumerate(prompt):
+            h = model.model.embed_tokens(torch.tensor([[t]]))
+            pid = torch.tensor([[pos]])
+            pe = model.model.rotary_emb(h, pid)
+            meta = RowMeta.for_sequence("kv", pos, 1, prompt_len=len(prompt))
+            for idx, layer in enumerate(layers):
+                if idx in sk.routed_layers and not bool(sk.route(idx, h[0], meta)[0]):
+                    n_po += 1
+                    attn = layer.self_attn
+                    rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+                    x = layer.input_layernorm(h)
+                    k = attn.k_proj(x).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+                    v = attn.v_proj(x).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+                    ref.update(rope(k, k, *pe)[1], v, idx)
+                else:
+                    h = layer(h, attention_mask=None, position_ids=pid, cache=ref, use_cache=True,
+                              position_embeddings=pe)
+    assert n_po > 0
+    for idx in sk.routed_layers:
+        k_got, v_got = cache.layers[idx].keys, cache.layers[idx].values
+        k_ref, v_ref = ref.layers[idx].keys, ref.layers[idx].values
+        assert k_got.shape == k_ref.shape == (1, 3, len(prompt), 64)  # 3 K/V heads of 64
+        torch.testing.assert_close(k_got, k_ref, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(v_got, v_ref, atol=2e-4, rtol=2e-4)

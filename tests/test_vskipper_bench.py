@@ -94,6 +94,26 @@ def test_decode_profile_categories():
     assert not hasattr(m.model.layers[0], "_vskipper_context")
 
 
+def test_prefill_profile_splits_time_by_operator_and_routed_section():
+    from impl.vskipper.bench import OP_CATEGORIES, SECTIONS, prefill_profile
+
+    m = _tiny()
+    out = prefill_profile(m, tokens=64, prompt_len=16, arms=((0.5, 1.0),), steps=1)
+    assert [o["arm"] for o in out] == ["upstream", "cohort_all_run", "random_r0.5_d1"]
+    up, cohort, rs = out
+    assert up["sections_ms"] == {} and up["measured_ratio"] == 1 and up["n_po"] == 0
+    assert set(up["ops_ms"]) <= set(OP_CATEGORIES) | {"elementwise", "other"} and up["ops_ms"]["matmul"] > 0
+    assert up["ops_ms"]["attention"] > 0
+    # the cohort path labels its sections; nothing skips, so no Project-Only section and prediction 1
+    assert {"kv", "gather", "q_proj", "attention", "mlp", "scatter", "route"} <= set(cohort["sections_ms"])
+    assert "project" not in cohort["sections_ms"] and cohort["flop_pred_ratio"] == 1
+    assert set(rs["sections_ms"]) <= set(SECTIONS) and rs["n_po"] > 0 and rs["flop_pred_ratio"] < 1
+    assert 0.3 < rs["skip_share"] < 0.7  # r * k / n_routed with k = n_routed
+    assert "project" not in rs["sections_ms"]  # identity projector: Project-Only rows cost no copy
+    assert not any(type(x).__name__ == "RoutedDecoderLayer" for x in m.model.layers)
+    json.dumps(out)
+
+
 def test_command_runs_tiny(tmp_path, monkeypatch):
     import argparse
 

@@ -58,7 +58,7 @@ from transformers import DynamicCache
 from .mode import ModeController, ModeSwitch, _block_mask, derive_thresholds, profile_routed_cost
 from .random_skip import RandomSkip
 from .routed import RoutedDecoderLayer, RowContext
-from .skipper import Phase, RowMeta, Skipper
+from .skipper import Phase, RowMeta, Skipper, StaticDepthSkipper
 
 __all__ = [
     "WIDE_ARCH",
@@ -504,6 +504,114 @@ def decode_profile(model, *, requests: int = 32, context: int = 128, routed_laye
         for h in handles:
             h.remove()
         del cache.update
+        for i, m in enumerate(orig):
+            model.model.layers[i] = m
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# where routed prefill time goes (torch profiler)
+# ----------------------------------------------------------------------------------------------------
+#: operator -> category of :func:`prefill_profile` (self CPU time; an operator not listed is
+#: ``elementwise`` when it is an aten operator, ``other`` otherwise)
+OP_CATEGORIES = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"),
+    "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_attention_math", "aten::_softmax", "aten::softmax"),
+    "gather_scatter": ("aten::index", "aten::index_select", "aten::index_copy", "aten::index_copy_",
+                       "aten::nonzero", "aten::masked_select", "aten::gather", "aten::scatter_", "aten::index_put_"),
+    "copies": ("aten::copy_", "aten::clone", "aten::cat", "aten::contiguous", "aten::_to_copy", "aten::to",
+               "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::resize_", "aten::fill_", "aten::zero_"),
+}
+_OP_CATEGORY = {op: cat for cat, ops in OP_CATEGORIES.items() for op in ops}
+#: the routed layer's section labels (:func:`impl.vskipper.routed.profile_sections`)
+SECTIONS = ("route", "kv", "gather", "q_proj", "attention", "o_proj", "mlp", "scatter", "project")
+
+
+def _op_category(name: str) -> str:
+    return _OP_CATEGORY.get(name, "elementwise" if name.startswith("aten::") else "other")
+
+
+@torch.no_grad()
+def prefill_profile(model, *, tokens: int = 2048, prompt_len: int = 256, routed_layers: Sequence[int] | None = None,
+                    arms: Sequence[tuple[float, float]] = ((0.5, 0.5),), steps: int = 2, seed: int = 0,
+                    label: str = "") -> list[dict]:
+    """Where a packed prefill step's time goes, dense vs routed (vSkipper Sec. 3.1; torch profiler).
+
+    Arms: ``upstream`` (the original layers), ``cohort_all_run`` (every row RUNs through the cohort path:
+    what gathering, masking and scattering cost with nothing skipped) and RandomSkip ``(r, d)`` arms.
+    Each arm runs one untimed step, then ``steps`` steps under :class:`torch.profiler.profile` (CPU
+    activity) with the routed sections labelled (:func:`~impl.vskipper.routed.profile_sections`).
+
+    Returns:
+        one dict per arm: ``wall_s`` (mean step wall time, profiler on), ``ops_ms`` (self CPU ms per step
+        by operator category: ``matmul``, ``attention``, ``gather_scatter``, ``copies``, ``elementwise``,
+        ``other``), ``sections_ms`` (inclusive CPU ms per step of each routed section summed over the
+        routed layers; empty for upstream), ``top_ops`` (the 12 operators of most self time, ms per
+        step), the FLOP prediction ``flop_pred_ratio`` and the realised ``skip_share``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from .routed import profile_sections
+
+    a = arch_of(model)
+    L = int(a["L"])
+    layers = list(routed_layers) if routed_layers is not None else list(range(L // 2, L))
+    cell = make_cell(model, "prefill", tokens=tokens, prompt_len=prompt_len, seed=seed)
+    orig = list(model.model.layers)
+    arm_list: list[tuple[str, list, RowContext | None, Skipper | None]] = [("upstream", orig, None, None)]
+    c0 = RowContext(record_stats=False)
+    cohort = [RoutedDecoderLayer(m, i, StaticDepthSkipper(layers, n_run=len(layers)), c0, fast_path=False)
+              if i in layers else m for i, m in enumerate(orig)]
+    arm_list.append(("cohort_all_run", cohort, c0, None))
+    for r, d in arms:
+        c = RowContext(record_stats=False)
+        sk = RandomSkip(layers, r=float(r), d=float(d), seed=seed)
+        arm_list.append((f"random_r{r:g}_d{d:g}", _wrap(orig, sk, c), c, sk))
+    out = []
+    try:
+        for name, lay, ctx, sk in arm_list:
+            with _layers_of(model, lay):
+                n_po = 0
+                if ctx is not None:  # the realised share, from one recorded step
+                    ctx.record_stats = True
+                    ctx.reset_stats()
+                    _run_step(model, cell, ctx)
+                    ctx.record_stats = False
+                    n_po = _share(ctx, int(Phase.PREFILL))[1]
+                    share = ctx.skip_ratio(int(Phase.PREFILL))
+                else:
+                    _run_step(model, cell, None)
+                    share = float("nan")
+                with profile(activities=[ProfilerActivity.CPU]) as prof, profile_sections():
+                    t = time.perf_counter()
+                    for _ in range(steps):
+                        _run_step(model, cell, ctx)
+                    wall = (time.perf_counter() - t) / steps
+            ops: dict[str, float] = {}
+            secs: dict[str, float] = {}
+            per_op = []
+            for ev in prof.key_averages():
+                if ev.key.startswith("vsk::"):
+                    secs[ev.key[5:]] = secs.get(ev.key[5:], 0.0) + ev.cpu_time_total / 1e3 / steps
+                    continue
+                ms = ev.self_cpu_time_total / 1e3 / steps
+                cat = _op_category(ev.key)
+                ops[cat] = ops.get(cat, 0.0) + ms
+                per_op.append((ms, ev.key))
+            per_op.sort(reverse=True)
+            out.append(dict(label=label, cell=cell.name, arm=name, T=cell.T, prompt_len=int(prompt_len),
+                            n_routed_layers=len(layers), wall_s=wall, steps=int(steps),
+                            ops_ms={k: round(v, 3) for k, v in sorted(ops.items())},
+                            sections_ms={k: round(secs[k], 3) for k in SECTIONS if k in secs},
+                            top_ops=[{"op": k, "ms": round(v, 3)} for v, k in per_op[:12]],
+                            skip_share=share, n_po=n_po,
+                            flop_pred_ratio=flop_pred_ratio(a, T=cell.T, K=cell.K, G=cell.G, n_po=n_po),
+                            threads=torch.get_num_threads(), method="torch.profiler (CPU), self time per operator"))
+        up = out[0]["wall_s"]
+        for row in out:
+            row["measured_ratio"] = row["wall_s"] / up
+    finally:
         for i, m in enumerate(orig):
             model.model.layers[i] = m
     return out

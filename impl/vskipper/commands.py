@@ -118,6 +118,44 @@ def _f(x) -> str:
     return "  -  " if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
+def cmd_vskipper_prefill_profile(args) -> None:
+    """Torch-profiler split of a packed prefill step, dense vs routed (impl.vskipper.bench.prefill_profile)."""
+    import torch
+
+    from impl.provenance import write_json
+    from impl.runtime import config_from_args, load_for, run_provenance, set_threads
+    from impl.schema import core_config
+
+    from .bench import WIDE_ARCH, prefill_profile, wide_model
+
+    cfg = config_from_args(args)
+    core = core_config(cfg)
+    set_threads(cfg)
+    if bool(args.wide) == bool(args.model_dir):
+        raise SystemExit("error: pass exactly one of --model-dir DIR or --wide")
+    if len(args.r) != len(args.d):
+        raise SystemExit(f"error: --r and --d need one value per arm, got {len(args.r)} and {len(args.d)}")
+    if args.wide:
+        s = _settings(args, cfg)
+        arch = dict(WIDE_ARCH, hidden_size=int(s["wide_hidden"]), intermediate_size=int(s["wide_intermediate"]),
+                    num_layers=int(s["wide_layers"]), num_heads=int(s["wide_heads"]))
+        model = wide_model(**arch, seed=core.seed, dtype=getattr(torch, core.dtype)).to(core.device)
+        label = args.label or "wide"
+    else:
+        model = load_for(cfg, args.model_dir)
+        label = args.label or str(args.model_dir).rstrip("/").split("/")[-1]
+    rows = prefill_profile(model, tokens=args.tokens, prompt_len=args.prompt_len, arms=list(zip(args.r, args.d)),
+                           steps=args.steps, seed=core.seed, label=label)
+    write_json(args.out, {"rows": rows, **run_provenance(cfg)})
+    cats = sorted({k for r in rows for k in r["ops_ms"]})
+    print(f"{'arm':18s} {'wall ms':>8s} {'ratio':>6s} {'pred':>6s} " + " ".join(f"{c:>14s}" for c in cats))
+    for r in rows:
+        print(f"{r['arm']:18s} {1e3 * r['wall_s']:8.1f} {r['measured_ratio']:6.3f} {r['flop_pred_ratio']:6.3f} "
+              + " ".join(f"{r['ops_ms'].get(c, 0.0):14.1f}" for c in cats))
+    for r in rows[1:]:
+        print(f"{r['arm']:18s} sections (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in r["sections_ms"].items()))
+
+
 def cmd_vskipper_bench_tables(args) -> None:
     """Step-benchmark tables from the summaries (impl.vskipper.bench_report)."""
     from .bench_report import bench_tables
@@ -218,6 +256,17 @@ def register(add) -> None:
     sp.add_argument("--wide-intermediate", type=positive_int)
     sp.add_argument("--wide-layers", type=positive_int)
     sp.add_argument("--wide-heads", type=positive_int)
+    sp = add("vskipper-prefill-profile", cmd_vskipper_prefill_profile,
+             "torch-profiler split of a packed prefill step: upstream, cohort all-RUN and RandomSkip arms")
+    sp.add_argument("--model-dir", help="HF model directory (or --wide)")
+    sp.add_argument("--wide", action="store_true", help="the wider randomly initialised model (timings only)")
+    sp.add_argument("--label")
+    sp.add_argument("--tokens", type=positive_int, default=2048, help="packed prompt tokens of the step")
+    sp.add_argument("--prompt-len", type=positive_int, default=256, help="tokens per packed prompt")
+    sp.add_argument("--r", type=fraction, nargs="+", default=[0.5], help="RandomSkip row fractions, one per arm")
+    sp.add_argument("--d", type=fraction, nargs="+", default=[0.5], help="RandomSkip layer fractions, one per arm")
+    sp.add_argument("--steps", type=positive_int, default=2, help="profiled steps per arm")
+    sp.add_argument("--out", required=True, help="JSON to write (rows + provenance)")
     sp = add("vskipper-bench-tables", cmd_vskipper_bench_tables, "tables of the vSkipper step benchmark")
     sp.add_argument("--summaries", nargs="+", required=True, help="vskipper-bench summary JSON files")
     sp.add_argument("--out-dir", required=True, help="tables directory")

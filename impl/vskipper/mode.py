@@ -468,6 +468,9 @@ class _Forced(Skipper):
         object.__setattr__(self, "inner", inner)
         self.run = bool(run)
         self.identity_run = inner.identity_run
+        self.projectors = inner.projectors  # the inner policy's Project-Only path, shared
+        if getattr(inner.project, "__func__", None) is not Skipper.project:
+            self.project = inner.project
 
     def route(self, layer_idx, hidden, meta):
         self.inner.route(layer_idx, hidden, meta)  # the router's cost is part of routed mode
@@ -476,9 +479,6 @@ class _Forced(Skipper):
     def route_tape(self, meta):
         tape = self.inner.route_tape(meta)  # a tape policy pays its cost once per step, forced or not
         return None if tape is None else torch.full(tuple(tape.shape), self.run, dtype=torch.bool, device=tape.device)
-
-    def project(self, layer_idx, hidden, meta):
-        return self.inner.project(layer_idx, hidden, meta)
 
     def run_epilogue(self, layer_idx, hidden_in, hidden_out, meta, **kw):
         return self.inner.run_epilogue(layer_idx, hidden_in, hidden_out, meta, **kw)

@@ -44,7 +44,7 @@ checks the side channel against the batch's ``position_ids`` and refuses stale m
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
@@ -58,6 +58,7 @@ from .skipper import RowMeta, Skipper, as_run_mask, check_route_tape
 __all__ = [
     "RouteTape",
     "RowContext",
+    "profile_sections",
     "RoutedDecoderLayer",
     "install_routed_layers",
     "remove_routed_layers",
@@ -68,6 +69,27 @@ __all__ = [
 
 _CONTEXT_ATTR = "_vskipper_context"
 _UNSET = object()
+_SECTIONS = False  # label the routed path's sections for torch.profiler (profile_sections)
+
+
+@contextmanager
+def profile_sections(on: bool = True) -> Iterator[None]:
+    """Inside the block, the routed layers label their sections for :mod:`torch.profiler` as
+    ``record_function("vsk::<section>")``: ``route`` (router or route tape), ``kv`` (input norm, K/V
+    projections, rotary, cache update: every row), ``gather`` (the RUN cohort's rows, rotary and mask
+    rows), ``q_proj``, ``attention``, ``o_proj``, ``mlp`` (post-attention norm, MLP, residuals),
+    ``scatter`` (output copy and index_copy back), ``project`` (Project-Only rows). Off by default: no
+    labels, no cost."""
+    global _SECTIONS
+    prev, _SECTIONS = _SECTIONS, bool(on)
+    try:
+        yield
+    finally:
+        _SECTIONS = prev
+
+
+def _section(name: str):
+    return torch.profiler.record_function(f"vsk::{name}") if _SECTIONS else nullcontext()
 
 
 @dataclass(frozen=True, eq=False)
@@ -382,8 +404,9 @@ class RoutedDecoderLayer(nn.Module):
             raise ValueError(
                 f"routed layer {self.layer_idx}: expects packed rows [1, T, H], got {tuple(hidden_states.shape)}"
             )
-        meta = ctx.step_rows(self.layer_idx, self.skipper.routed_layers[0], hidden_states, position_ids)
-        tape = ctx.tape(self.skipper, meta)
+        with _section("route"):
+            meta = ctx.step_rows(self.layer_idx, self.skipper.routed_layers[0], hidden_states, position_ids)
+            tape = ctx.tape(self.skipper, meta)
         if tape is not None:
             # a request-hash policy: this layer's column of the step's route tape, no per-row work here
             j = tape.column[self.layer_idx]
@@ -392,12 +415,13 @@ class RoutedDecoderLayer(nn.Module):
             run = tape.run[:, j]
         else:
             n_rows = hidden_states.shape[1]
-            run = as_run_mask(self.skipper.route(self.layer_idx, hidden_states[0], meta), n_rows,
-                              layer_idx=self.layer_idx, who=type(self.skipper).__name__)
-            routed = meta.routed_mask
-            run = run | ~routed
-            if ctx.record_stats:
-                ctx._record(self.layer_idx, run, meta)
+            with _section("route"):
+                run = as_run_mask(self.skipper.route(self.layer_idx, hidden_states[0], meta), n_rows,
+                                  layer_idx=self.layer_idx, who=type(self.skipper).__name__)
+                routed = meta.routed_mask
+                run = run | ~routed
+                if ctx.record_stats:
+                    ctx._record(self.layer_idx, run, meta)
             if self.fast_path and bool(run.all()) and (self.skipper.identity_run or not bool(routed.any())):
                 return self.layer(hidden_states, **layer_kwargs)
         return self._cohort_forward(hidden_states, run, meta, attention_mask, position_ids, cache, use_cache,
@@ -422,48 +446,58 @@ class RoutedDecoderLayer(nn.Module):
             raise ValueError(f"routed layer {self.layer_idx}: position_embeddings (cos, sin) are required")
         T = hidden_states.shape[1]
         head_dim = attn.head_dim
-        run_idx = run.nonzero().squeeze(1)  # [n_run] int64, derived from this call's route (Invariant 2)
-        po_idx = (~run).nonzero().squeeze(1)
+        with _section("gather"):
+            run_idx = run.nonzero().squeeze(1)  # [n_run] int64, derived from this call's route (Invariant 2)
+            po_idx = (~run).nonzero().squeeze(1)
         cos, sin = position_embeddings
 
         # (i) every row: this layer's own K and V, one cache update (Invariant 1)
-        normed = layer.input_layernorm(hidden_states)  # [1, T, H]
-        k = attn.k_proj(normed).view(1, T, -1, head_dim)
-        if hasattr(attn, "k_norm"):
-            k = attn.k_norm(k)
-        k = k.transpose(1, 2)  # [1, kvh, T, d]
-        v = attn.v_proj(normed).view(1, T, -1, head_dim).transpose(1, 2)
-        k = self._rope(k, k, cos, sin)[1]
-        attn_kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
-        if cache is not None:
-            update_kwargs = dict(attn_kwargs)  # the paged cache edits the dict it gets
-            k_all, v_all = cache.update(k, v, attn.layer_idx, kwargs=update_kwargs)
-            attn_kwargs = update_kwargs
-        else:
-            k_all, v_all = k, v
+        with _section("kv"):
+            normed = layer.input_layernorm(hidden_states)  # [1, T, H]
+            k = attn.k_proj(normed).view(1, T, -1, head_dim)
+            if hasattr(attn, "k_norm"):
+                k = attn.k_norm(k)
+            k = k.transpose(1, 2)  # [1, kvh, T, d]
+            v = attn.v_proj(normed).view(1, T, -1, head_dim).transpose(1, 2)
+            k = self._rope(k, k, cos, sin)[1]
+            attn_kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
+            if cache is not None:
+                update_kwargs = dict(attn_kwargs)  # the paged cache edits the dict it gets
+                k_all, v_all = cache.update(k, v, attn.layer_idx, kwargs=update_kwargs)
+                attn_kwargs = update_kwargs
+            else:
+                k_all, v_all = k, v
 
-        out = hidden_states[0].clone()  # [T, H]
+        with _section("scatter"):
+            out = hidden_states[0].clone()  # [T, H]
         n_run = run_idx.numel()
         if n_run:
             # (ii) the RUN cohort: queries against the full K/V, then the MLP, scattered back
-            normed_run = normed[:, run_idx]  # [1, n_run, H]
-            q = attn.q_proj(normed_run).view(1, n_run, -1, head_dim)
-            if hasattr(attn, "q_norm"):
-                q = attn.q_norm(q)
-            q = q.transpose(1, 2)  # [1, heads, n_run, d]
-            q = self._rope(q, q, cos[:, run_idx], sin[:, run_idx])[0]
-            mask = _rows_of_mask(attention_mask, run_idx, T, k_all.shape[2], q.dtype, self.layer_idx)
-            interface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, _eager_attention(attn))
-            extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
-            attn_out, _ = interface(
-                attn, q, k_all, v_all, mask, dropout=0.0, scaling=attn.scaling, **extra, **attn_kwargs
-            )
-            attn_out = attn.o_proj(attn_out.reshape(1, n_run, -1).contiguous())
-            h_in = hidden_states[0, run_idx]  # [n_run, H]
-            h_mid = h_in + attn_out[0]
-            mlp_out = layer.mlp(layer.post_attention_layernorm(h_mid))
-            h = h_mid + mlp_out
-            out = out.index_copy(0, run_idx, h.to(out.dtype))
+            with _section("gather"):
+                normed_run = normed[:, run_idx]  # [1, n_run, H]
+                cos_run, sin_run = cos[:, run_idx], sin[:, run_idx]
+                mask = _rows_of_mask(attention_mask, run_idx, T, k_all.shape[2], normed.dtype, self.layer_idx)
+                h_in = hidden_states[0, run_idx]  # [n_run, H]
+            with _section("q_proj"):
+                q = attn.q_proj(normed_run).view(1, n_run, -1, head_dim)
+                if hasattr(attn, "q_norm"):
+                    q = attn.q_norm(q)
+                q = q.transpose(1, 2)  # [1, heads, n_run, d]
+                q = self._rope(q, q, cos_run, sin_run)[0]
+            with _section("attention"):
+                interface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, _eager_attention(attn))
+                extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+                attn_out, _ = interface(
+                    attn, q, k_all, v_all, mask, dropout=0.0, scaling=attn.scaling, **extra, **attn_kwargs
+                )
+            with _section("o_proj"):
+                attn_out = attn.o_proj(attn_out.reshape(1, n_run, -1).contiguous())
+            with _section("mlp"):
+                h_mid = h_in + attn_out[0]
+                mlp_out = layer.mlp(layer.post_attention_layernorm(h_mid))
+                h = h_mid + mlp_out
+            with _section("scatter"):
+                out = out.index_copy(0, run_idx, h.to(out.dtype))
             if not self.skipper.identity_run:
                 # the epilogue applies to routed RUN rows only: dense rows keep the unmodified output
                 sel = meta.routed_mask[run_idx].nonzero().squeeze(1)
@@ -472,11 +506,19 @@ class RoutedDecoderLayer(nn.Module):
                     h_ep = self.skipper.run_epilogue(self.layer_idx, h_in[sel], h[sel], meta.select(rows),
                                                      hidden_mid=h_mid[sel], mlp_out=mlp_out[sel])
                     out = out.index_copy(0, rows, h_ep.to(out.dtype))
-        if po_idx.numel():
-            # (iii) Project-Only rows: no attention read, no MLP; the projector (identity by default)
-            proj = self.skipper.project(self.layer_idx, hidden_states[0, po_idx], meta.select(po_idx))
-            out = out.index_copy(0, po_idx, proj.to(out.dtype))
+        if po_idx.numel() and not self._identity_project():
+            # (iii) Project-Only rows: no attention read, no MLP; the projector (identity: their rows of
+            # ``out`` already hold their input, nothing to do)
+            with _section("project"):
+                proj = self.skipper.project(self.layer_idx, hidden_states[0, po_idx], meta.select(po_idx))
+                out = out.index_copy(0, po_idx, proj.to(out.dtype))
         return out.unsqueeze(0)
+
+    def _identity_project(self) -> bool:
+        """True when Project-Only rows keep their hidden state: no projector plugged at this layer and
+        ``project`` not overridden."""
+        sk = self.skipper
+        return getattr(sk.project, "__func__", None) is Skipper.project and sk.projector(self.layer_idx) is None
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, skipper={type(self.skipper).__name__}, fast_path={self.fast_path}"

@@ -212,6 +212,8 @@ def _run_step(model, cell: _Cell, ctx: RowContext | None, planner=None) -> None:
             meta = cell.meta if planner is None else planner(cell.meta, ctx)
             with ctx.rows(meta):
                 model(**kw)
+        if cell.ids.device.type == "cuda":  # the step's time includes its kernels
+            torch.cuda.synchronize(cell.ids.device)
     finally:
         if cell.cache is not None:
             cell.cache.crop(-cell.n_new)

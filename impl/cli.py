@@ -258,7 +258,7 @@ def cmd_ar_bench(args) -> None:
                 "n_prompt_tokens": len(p["input_ids"]), "n_new_tokens": len(res.tokens),
                 "token_ids": res.tokens, "prefill_seconds": res.prefill_seconds,
                 "token_seconds": res.token_seconds, "stopped_at_eos": res.stopped_at_eos,
-                "warmup_prompts_excluded": b["warmup_prompts"], "batch_size": 1, **prov,
+                "warmup_prompts_excluded": b.warmup_prompts, "batch_size": 1, **prov,
             })
     write_jsonl(args.out, rows)
     log.info("%s: %d rows", args.out, len(rows))

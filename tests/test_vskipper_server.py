@@ -375,6 +375,8 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(upstream):
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
         code, text = _post(upstream.url, None, raw=raw)
         assert code == 400 and "error" in json.loads(text), raw
+    code, text = _post(upstream.url, None, raw=b'{"prompt": "\\ud800", "max_tokens": 2}')  # a lone surrogate
+    assert code == 400 and "'prompt' is not valid Unicode" in json.loads(text)["error"]["message"], text
     code, text = _post(upstream.url, None, raw=b'{"prompt": "\xff"}')
     assert code == 400 and "not valid JSON" in json.loads(text)["error"]["message"]
     for extra in ACCEPTED:
@@ -567,6 +569,7 @@ def test_chat_completions_use_the_chat_template(chat_server):
     assert code == 200, out
     ch = out["choices"][0]
     assert out["object"] == "chat.completion" and ch["message"]["role"] == "assistant"
+    assert out["id"].startswith("chatcmpl-") and not out["id"].startswith("chatcmpl-cmpl-")
     assert ch["token_ids"] == want["token_ids"] and ch["message"]["content"] == want["text"]
     assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == 8
     lp = ch["logprobs"]["content"]

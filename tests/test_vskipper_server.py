@@ -11,9 +11,11 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -359,6 +361,22 @@ BAD = [
     ({"prompt": "hi", "json_schema": "{}"}, 400, "'json_schema'"),
     ({"prompt": "hi", "max_tokens": 10 ** 8}, 400, "'max_tokens' must be < 128"),
     ({"prompt": "hi", "model": ""}, 400, "'model' must be a non-empty string"),
+    ({"prompt": [1.5, 2.5]}, 400, "prompt token ids must be integers in [0, "),
+    ({"prompt": [True, False]}, 400, "got [true, false]"),
+    ({"prompt": [[1, 2], [3.5]]}, 400, "got [3.5]"),
+    ({"prompt": "hi", "generation_config": {"max_new_tokens": 0}}, 400, "'generation_config.max_new_tokens' must be >= 1"),
+    ({"prompt": "hi", "generation_config": {"eos_token_id": 10 ** 12}}, 400, "eos_token_id must be token ids in [0, "),
+    ({"prompt": "hi", "generation_config": {"eos_token_id": [3, -7]}}, 400, "got [-7]"),
+    ({"prompt": "hi", "generation_config": {"eos_token_id": []}}, 400, "non-empty list of ints"),
+    ({"prompt": "hi", "rid": ""}, 400, "'rid' must be a non-empty string"),
+]
+
+#: Chat bodies refused before the chat template is needed (the tiny tokenizer has none).
+BAD_CHAT = [
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "'max_completion_tokens' must be >= 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10 ** 8}, "'max_completion_tokens' must be < 128"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "'messages[0].content[0].text' must be a string"),
+    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, "must be the assistant's (got role 'user')"),
 ]
 
 #: Fields that do not change a greedy decode: checked, then accepted (200).
@@ -385,9 +403,30 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(upstream):
     code, out = _json(upstream.url, {"messages": [{"role": "user", "content": "hi"}]}, path="/v1/chat/completions")
     assert code == 400 and "chat template" in out["error"]["message"]  # the tiny tokenizer has none
     for body, words in (({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
-                        ({"prompt": "hi"}, "messages")):
+                        ({"prompt": "hi"}, "messages"), *BAD_CHAT):
         code, out = _json(upstream.url, body, path="/v1/chat/completions")
         assert code == 400 and words in out["error"]["message"], (body, out)
+    code, out = _json(upstream.url, {"prompt": "hi"}, headers={"X-Request-ID": "x" * 1000})
+    assert code == 400 and "'X-Request-ID' must be a non-empty string" in out["error"]["message"], out
+    code, out = _json(upstream.url, {"prompt": "hi"}, headers={"Content-Type": "text/plain"})
+    assert code == 400 and "'Content-Type: application/json' (got 'text/plain')" in out["error"]["message"], out
+    # a body over the 64 MiB limit gets a JSON 413: announced by Content-Length (refused unread), or
+    # chunked without one (refused at the byte that crosses the limit: here the last one sent)
+    conn = http.client.HTTPConnection(upstream.host, upstream.port, timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(100 << 20))
+    conn.endheaders(b'{"prompt": "hi"}')
+    resp = conn.getresponse()
+    assert resp.status == 413 and "request body larger than" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+    big = b'{"prompt": "' + b"a" * ((64 << 20) + 1 - 14) + b'"}'
+    conn = http.client.HTTPConnection(upstream.host, upstream.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    resp = conn.getresponse()
+    assert resp.status == 413 and "request body larger than" in json.loads(resp.read())["error"]["message"]
+    conn.close()
     assert _get(upstream.url, "/nope")[0] == 404
     assert _get(upstream.url, "/v1/completions")[0] == 405
     assert _post(upstream.url, {}, path="/health")[0] == 405
@@ -398,6 +437,21 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(upstream):
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
     conn.close()
+    # a non-streaming client that goes away: its request is cancelled too (not decoded to the end)
+    before = _get(upstream.url, "/v1/vskipper/stats")[1]["counters"]
+    with socket.create_connection((upstream.host, upstream.port), timeout=30) as sock:
+        body = json.dumps({"prompt": [5, 6], "max_tokens": 120, "ignore_eos": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.time() + 30
+        while _get(upstream.url, "/v1/vskipper/stats")[1]["counters"]["requests"] == before["requests"]:
+            assert time.time() < deadline, "the request never reached the engine"
+            time.sleep(0.01)
+    cancelled = before["cancelled"]
+    deadline = time.time() + 30
+    while _get(upstream.url, "/v1/vskipper/stats")[1]["counters"]["cancelled"] == cancelled:
+        assert time.time() < deadline, "the disconnected non-streaming request was not cancelled"
+        time.sleep(0.1)
     code, out = _json(upstream.url, {"prompt": "Question: how many", "max_tokens": 3, "model": "tiny"})
     assert code == 200 and out["usage"]["completion_tokens"] >= 1
     assert _get(upstream.url, "/health")[0] == 200

@@ -59,7 +59,7 @@ if DEX:
         output:
             f"{RESULTS}/dex/distributed/{DIST_MODEL}/prompts.jsonl",
         params:
-            n=DIST["n_prompts"] + 1,  # + 1 warm-up prompt
+            n=DIST["n_prompts"],  # the first is also decoded once, unrecorded, as warm-up
         log:
             f"{LOGS}/dex/distributed/prompts.log",
         conda:

@@ -774,7 +774,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--no-ar-check", action="store_true",
                     help="skip the AR check (then rank 0 also holds only its own layers)")
-    ap.add_argument("--warmup-prompts", type=nonneg_int, default=1, help="decode this many prompts first, unrecorded")
+    ap.add_argument("--warmup-prompts", type=nonneg_int, default=1, help="decode the first N usable prompts once before the recorded pass (warm-up, unrecorded; every prompt, these included, is then decoded and recorded)")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--timeout-s", type=positive_float, default=600.0, help="process-group timeout")
@@ -847,7 +847,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _decode_all(ex: DistributedExecutor, args, prompts, rule, X, backend, tok_loader) -> list[dict]:
-    """Rank 0: warm up, then decode every prompt row into a result row (errors become rows)."""
+    """Rank 0: warm up on the first ``args.warmup_prompts`` usable prompts (unrecorded), then decode every prompt
+    row, those included, into a result row (errors become rows): ``len(prompts)`` rows."""
     K = len(X)
     dec = DEXDecoder(ex, decs=args.decs, branch_stages={0, K - 1} if args.single_exit else None,
                      dedupe=args.dedupe)

@@ -27,7 +27,8 @@ class Distributed(Section):
     dex model and workload, measuring communication per round."""
 
     explorers: list[Annotated[int, Field(ge=2)]] = [2, 3]
-    n_prompts: PosInt = 2
+    n_prompts: PosInt = Field(2, description="first n prompts, each decoded and recorded (the first is also "
+                              "decoded once before, unrecorded, as warm-up)")
     max_new_tokens: PosInt = 32
 
 

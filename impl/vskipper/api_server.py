@@ -60,13 +60,14 @@ Use :class:`CompletionServer` (``make_server(engine).start_background()``) or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Header, Request
@@ -120,8 +121,10 @@ def _is_int(x) -> bool:
 
 
 def _check_sampling(req: P._SamplingRequest, engine: CompletionEngine, header_rid: str | None,
-                    max_tokens: int | None) -> dict[str, Any]:
+                    max_tokens: int | None, max_tokens_param: str = "max_tokens") -> dict[str, Any]:
     """The checks both endpoints share; returns the Sampling fields except prompts and logprobs.
+    ``max_tokens`` came from the field ``max_tokens_param``; when it is None the length comes from
+    ``generation_config.max_new_tokens`` (else 16), and errors name the field it came from.
 
     Raises:
         RequestError: 400 / 404 naming the field.
@@ -146,14 +149,19 @@ def _check_sampling(req: P._SamplingRequest, engine: CompletionEngine, header_ri
             raise RequestError(400, "sampling is not supported: this server decodes greedily", "generation_config")
         if gen.get("num_return_sequences", 1) not in (1, None):
             raise RequestError(400, "num_return_sequences must be 1", "generation_config")
-    mt = max_tokens if max_tokens is not None else gen.get("max_new_tokens", 16)
+    if max_tokens is not None:
+        mt, mname, mparam = max_tokens, max_tokens_param, max_tokens_param
+    elif "max_new_tokens" in gen:
+        mt, mname, mparam = gen["max_new_tokens"], "generation_config.max_new_tokens", "generation_config"
+    else:
+        mt, mname, mparam = 16, max_tokens_param, max_tokens_param
     if not _is_int(mt):
-        raise RequestError(400, f"'max_tokens' must be an integer, got {mt!r}", "max_tokens")
+        raise RequestError(400, f"'{mname}' must be an integer, got {mt!r}", mparam)
     if mt < 1:
-        raise RequestError(400, f"'max_tokens' must be >= 1, got {mt}", "max_tokens")
+        raise RequestError(400, f"'{mname}' must be >= 1, got {mt}", mparam)
     if mt >= engine.max_model_len:
-        raise RequestError(400, f"'max_tokens' must be < {engine.max_model_len} (the maximum context length, "
-                                f"prompt included), got {mt}", "max_tokens", "context_length_exceeded")
+        raise RequestError(400, f"'{mname}' must be < {engine.max_model_len} (the maximum context length, "
+                                f"prompt included), got {mt}", mparam, "context_length_exceeded")
     _check_unsupported(req)
     if req.temperature is not None:
         if req.temperature < 0:
@@ -181,15 +189,22 @@ def _check_sampling(req: P._SamplingRequest, engine: CompletionEngine, header_ri
         e = gen["eos_token_id"]
         if e is None or e == -1 or e == [-1]:
             ign = True
-        elif _is_int(e) or (isinstance(e, list) and all(_is_int(x) for x in e)):
+        elif _is_int(e) or (isinstance(e, list) and e and all(_is_int(x) for x in e)):
+            ids = e if isinstance(e, list) else [e]
+            bad = [x for x in ids if not 0 <= x < engine.vocab_size]
+            if bad:
+                raise RequestError(400, f"generation_config.eos_token_id must be token ids in [0, {engine.vocab_size}) "
+                                        f"(or -1 / null for no stop), got {bad[:5]}", "generation_config")
             eos_override = e
         else:
-            raise RequestError(400, "generation_config.eos_token_id must be an int or a list of ints",
+            raise RequestError(400, "generation_config.eos_token_id must be an int or a non-empty list of ints",
                                "generation_config")
-    rid = req.request_id if req.request_id is not None else (req.rid if req.rid is not None else header_rid)
+    for rid, rname in ((req.request_id, "request_id"), (req.rid, "rid"), (header_rid, "X-Request-ID")):
+        if rid is not None:
+            break
     if rid is not None and (not rid or len(rid) > _MAX_ID_LEN):
-        raise RequestError(400, f"'request_id' must be a non-empty string of at most {_MAX_ID_LEN} characters",
-                           "request_id")
+        raise RequestError(400, f"'{rname}' must be a non-empty string of at most {_MAX_ID_LEN} characters",
+                           rname)
     return dict(max_tokens=int(mt), stream=bool(req.stream), include_usage=req.include_usage,
                 stops=[s for s in stops if s], ignore_eos=ign, eos_token_id=eos_override,
                 skip_special=req.skip_special_tokens, request_id=rid)
@@ -269,17 +284,26 @@ def parse_chat(req: P.ChatCompletionRequest, engine: CompletionEngine, header_ri
     Raises:
         RequestError: 4xx naming the field (400 for a model without a chat template).
     """
-    mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    s = _check_sampling(req, engine, header_rid, mt)
+    if req.max_completion_tokens is not None:
+        s = _check_sampling(req, engine, header_rid, req.max_completion_tokens, "max_completion_tokens")
+    else:
+        s = _check_sampling(req, engine, header_rid, req.max_tokens)
     lp = None
     if req.logprobs:
         lp = _check_logprobs(req.top_logprobs if req.top_logprobs is not None else 0, engine, "top_logprobs")
     elif req.top_logprobs is not None:
         raise RequestError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     for i, m in enumerate(req.messages):
-        if isinstance(m.content, list) and any(p.get("type") != "text" for p in m.content):
-            raise RequestError(400, f"messages[{i}].content: only text parts are supported", "messages")
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if part.get("type") != "text":
+                raise RequestError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            if not isinstance(part.get("text"), str):
+                raise RequestError(400, f"'messages[{i}].content[{j}].text' must be a string, got "
+                                        f"{type(part.get('text')).__name__}", "messages")
         _check_unicode(m.text(), f"messages[{i}].content")
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise RequestError(400, "'continue_final_message' continues the last message, which must be the "
+                                f"assistant's (got role {req.messages[-1].role!r})", "continue_final_message")
     try:
         ids = engine.render_chat([{"role": m.role, "content": m.text()} for m in req.messages],
                                  add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
@@ -313,7 +337,7 @@ def _parse_prompts(prompt: Any, engine: CompletionEngine) -> list[list[int]]:
         bad = [t for t in ids if not _is_int(t) or not 0 <= t < engine.vocab_size]
         if bad:
             raise RequestError(400, f"prompt token ids must be integers in [0, {engine.vocab_size}), got "
-                                    f"{bad[:5]}", "prompt")
+                                    f"{json.dumps(bad[:5])}", "prompt")
         return [int(t) for t in ids]
 
     def text_ok(s: str) -> list[int]:
@@ -334,7 +358,7 @@ def _parse_prompts(prompt: Any, engine: CompletionEngine) -> list[list[int]]:
         raise RequestError(400, "empty prompt", "prompt")
     if len(prompt) > _MAX_PROMPTS and not all(_is_int(x) for x in prompt):
         raise RequestError(400, f"at most {_MAX_PROMPTS} prompts per request", "prompt")
-    if all(_is_int(x) for x in prompt):
+    if all(isinstance(x, (int, float)) for x in prompt):  # bool and float included: ids_ok names them
         return [ids_ok(prompt)]
     if all(isinstance(x, str) for x in prompt):
         return [text_ok(x) for x in prompt]
@@ -540,28 +564,46 @@ async def _stream(engine: CompletionEngine, s: Sampling, chat: bool) -> Response
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-class _BodyLimit:
-    """ASGI middleware: a request whose ``Content-Length`` exceeds ``limit`` bytes gets a 413 unread."""
+async def _until_disconnect(request: Request) -> None:
+    """Return when the client goes away (the ASGI ``http.disconnect`` message; the body is read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, int(limit)
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            for k, v in scope.get("headers", ()):
-                if k == b"content-length" and v.isdigit() and int(v) > self.limit:
-                    await _error(413, f"request body larger than {self.limit} bytes")(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Await a non-streaming completion, cancelled (and its engine requests with it, in ``_complete``) when
+    the client disconnects first: a closed connection frees its slots instead of decoding to the end.
+    (A streaming response stops on disconnect by itself: Starlette listens while it sends.)"""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is shutting down
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    logger.info("client disconnected: request cancelled")
+    return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
 
 
 def build_app(engine: CompletionEngine) -> FastAPI:
     """The FastAPI application of one engine arm (routes in the module docstring)."""
+    # max_body_size: FastAPI counts the bytes as they arrive (a chunked body without Content-Length too)
     app = FastAPI(title="vSkipper engine arm", summary="OpenAI-compatible completions in front of one "
-                  "continuous-batching engine arm", docs_url="/docs", redoc_url=None)
+                  "continuous-batching engine arm", docs_url="/docs", redoc_url=None, max_body_size=_MAX_BODY)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
+        ctype = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in ctype.lower():
+            return _error(400, f"the request body must be JSON sent with 'Content-Type: application/json' (got "
+                               f"{ctype or 'no Content-Type'!r})", "Content-Type")
         msg, field = _validation_message(exc)
         return _error(400, msg, field)
 
@@ -570,6 +612,8 @@ def build_app(engine: CompletionEngine) -> FastAPI:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = {404: f"no route {request.url.path!r}",
                405: f"method {request.method} not allowed for {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        if exc.status_code == 413:
+            msg = f"request body larger than {_MAX_BODY} bytes"
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             # FastAPI's answer to a body json.loads cannot decode, e.g. bytes that are not UTF-8
             msg = "the request body is not valid JSON (UTF-8 text expected)"
@@ -582,8 +626,6 @@ def build_app(engine: CompletionEngine) -> FastAPI:
     @app.exception_handler(EngineError)
     async def _engine(_request: Request, exc: EngineError):
         return _error(exc.status, str(exc), kind=exc.kind)
-
-    app.add_middleware(_BodyLimit, limit=_MAX_BODY)
 
     def _ready() -> None:
         if not engine.healthy:
@@ -613,17 +655,24 @@ def build_app(engine: CompletionEngine) -> FastAPI:
         # strict JSON: an infinite switch threshold is written as null (read back as infinity by --switch)
         return Response(strict_json(engine.describe()), media_type="application/json")
 
+    # Parsing tokenizes (under the engine's tokenizer lock): in a worker thread, off the event loop.
     @app.post("/v1/completions", response_model=P.CompletionResponse)
-    async def completions(req: P.CompletionRequest, x_request_id: str | None = Header(default=None)):
+    async def completions(request: Request, req: P.CompletionRequest,
+                          x_request_id: str | None = Header(default=None)):
         _ready()
-        s = parse_completion(req, engine, x_request_id)
-        return await (_stream if s.stream else _complete)(engine, s, chat=False)
+        s = await asyncio.to_thread(parse_completion, req, engine, x_request_id)
+        if s.stream:
+            return await _stream(engine, s, chat=False)
+        return await _cancel_on_disconnect(request, _complete(engine, s, chat=False))
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse)
-    async def chat_completions(req: P.ChatCompletionRequest, x_request_id: str | None = Header(default=None)):
+    async def chat_completions(request: Request, req: P.ChatCompletionRequest,
+                               x_request_id: str | None = Header(default=None)):
         _ready()
-        s = parse_chat(req, engine, x_request_id)
-        return await (_stream if s.stream else _complete)(engine, s, chat=True)
+        s = await asyncio.to_thread(parse_chat, req, engine, x_request_id)
+        if s.stream:
+            return await _stream(engine, s, chat=True)
+        return await _cancel_on_disconnect(request, _complete(engine, s, chat=True))
 
     return app
 

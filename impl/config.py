@@ -20,10 +20,12 @@ from typing import Any
 import jsonschema
 import yaml
 
+from .models.corpus import need_file
+from .models.tiny import TinyArch
 from .registry import Registry
 from .schema import CoreConfig, Ead
 from .sections import section_defaults, section_schema
-from .workloads import check_data
+from .workloads import FIELDS, check_data
 
 #: the JSON schema of the core sections, generated from :class:`impl.schema.CoreConfig` (the method
 #: sections are added by :func:`full_schema`)
@@ -134,7 +136,6 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
     env_data = os.environ.get("IMPL_DATA_DIR")
     if env_data:  # the environment names where the datasets are on this machine
         out["data_dir"] = env_data
-    from .workloads import FIELDS
 
     for suite, w in out["workloads"].items():
         for key in ("template", "chat"):
@@ -219,8 +220,6 @@ def check_config_paths(cfg: dict[str, Any]) -> None:
         except FileNotFoundError as e:
             raise ConfigError(f"config: workloads.{suite}: {e}") from None
     if any(m["kind"] == "tiny" for m in cfg["models"].values()):
-        from .models.corpus import need_file
-
         need = {"gsm8k_train": "gsm8k/train.jsonl", "sharegpt": "chat/sharegpt_v3_subset.jsonl"}
         for src in cfg["corpus"]["sources"]:
             if src in need:
@@ -354,6 +353,5 @@ def train_config(cfg: dict[str, Any], name: str):
 
 def tiny_arch(cfg: dict[str, Any]):
     """Typed :class:`impl.models.tiny.TinyArch` of the config."""
-    from .models.tiny import TinyArch
 
     return TinyArch(**cfg["tiny_arch"])

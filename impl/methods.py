@@ -10,9 +10,19 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from tqdm import tqdm
+
+from .dex import DEXDecoder, ReferenceExecutor
+from .ead.accounting import uniform_exploration_set, validate_exploration_set
+from .models.adapters import select_adapters
+from .models.depth import num_layers
 from .registry import Registry
+from .spec.adadecode import adadecode_decode, check_adadecode_params
 from .spec.ar import ar_decode
+from .spec.dynamic_exit import check_dynamic_exit_params, dynamic_exit_decode
+from .spec.hf_early_exit import check_hf_early_exit_params, hf_early_exit_decode
 from .spec.sampling import DecodeRule
+from .spec.self_spec import check_self_spec_params, self_spec_decode
 
 BASELINE_PARAMS = {
     "self_spec": ("exit_layer", "num_speculations"),
@@ -28,7 +38,6 @@ def parse_exploration_set(text: str | None, explorers: int | None, L: int) -> tu
         ValueError: both or neither given, a malformed list, or an invalid set / K (see
             :func:`impl.ead.accounting.validate_exploration_set`).
     """
-    from .ead.accounting import uniform_exploration_set, validate_exploration_set
 
     if (text is None) == (explorers is None):
         raise ValueError("give exactly one of an exploration set (e.g. 4,8,12) or a number of explorers K")
@@ -69,7 +78,6 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
         ValueError: unknown method or parameters, or an exploration set without adapters at some of
             its non-final depths when adapters are given.
     """
-    from .models.depth import num_layers
 
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
@@ -88,9 +96,6 @@ def _ar(model, rule: DecodeRule, params: dict, adapters, L: int):
 
 @METHODS.register("dex")
 def _dex(model, rule: DecodeRule, params: dict, adapters, L: int):
-    from .dex import DEXDecoder, ReferenceExecutor
-    from .models.adapters import select_adapters
-
     X = tuple(params["exploration_set"])
     K = len(X)
     branch = {0, K - 1} if params.get("single_exit") else None
@@ -147,8 +152,6 @@ def _spec_row(call):
 
 @METHODS.register("self_spec")
 def _self_spec(model, rule: DecodeRule, params: dict, adapters, L: int):
-    from .spec.self_spec import check_self_spec_params, self_spec_decode
-
     _check_names("self_spec", params, BASELINE_PARAMS["self_spec"], ("exit_layer", "num_speculations"))
     # every value checked once here, before any prompt is decoded (the decoders check again)
     check_self_spec_params(L, params["exit_layer"], params["num_speculations"])
@@ -159,8 +162,6 @@ def _self_spec(model, rule: DecodeRule, params: dict, adapters, L: int):
 
 @METHODS.register("adadecode")
 def _adadecode(model, rule: DecodeRule, params: dict, adapters, L: int):
-    from .spec.adadecode import adadecode_decode, check_adadecode_params
-
     _check_names("adadecode", params, BASELINE_PARAMS["adadecode"], ("shortcut_layers", "threshold", "num_speculations"))
     check_adadecode_params(L, params["shortcut_layers"], params["threshold"], params["num_speculations"])
     return _spec_row(lambda ids, n, eos: adadecode_decode(
@@ -170,8 +171,6 @@ def _adadecode(model, rule: DecodeRule, params: dict, adapters, L: int):
 
 @METHODS.register("dynamic_exit")
 def _dynamic_exit(model, rule: DecodeRule, params: dict, adapters, L: int):
-    from .spec.dynamic_exit import check_dynamic_exit_params, dynamic_exit_decode
-
     _check_names("dynamic_exit", params, BASELINE_PARAMS["dynamic_exit"], ())
     check_dynamic_exit_params(L, params.get("exit_layers"), params.get("num_speculations", 8),
                               params.get("confidence_threshold", 0.5))
@@ -183,8 +182,6 @@ def _dynamic_exit(model, rule: DecodeRule, params: dict, adapters, L: int):
 
 @METHODS.register("hf_early_exit")
 def _hf_early_exit(model, rule: DecodeRule, params: dict, adapters, L: int):
-    from .spec.hf_early_exit import check_hf_early_exit_params, hf_early_exit_decode
-
     unknown = sorted(set(params) - {"exit_layer", "num_speculations"})
     missing = [k for k in ("exit_layer", "num_speculations") if k not in params]
     if unknown or missing:
@@ -213,7 +210,6 @@ def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: d
     equal AR's under the same rule; None when ``check_ar`` is False). A prompt that is empty, has
     neither ``input_ids`` nor ``text``, or does not fit the context yields a row with ``error``.
     """
-    from tqdm import tqdm
 
     run = build_method(method, model, rule, params, adapters)
     rows = []

@@ -14,11 +14,14 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
+
+import numpy as np
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,13 +109,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield target
         if dest.is_dir() and not dest.is_symlink():
-            import shutil
-
             shutil.rmtree(dest)
         os.replace(target, dest)
     finally:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -187,8 +186,6 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def _json_default(obj: Any) -> Any:
     try:
-        import numpy as np
-
         if isinstance(obj, np.generic):
             return obj.item()
         if isinstance(obj, np.ndarray):

@@ -21,6 +21,7 @@ working.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
@@ -189,7 +190,6 @@ def lazy_exports(package: str, exports: dict[str, str]):
     Raises (from the returned ``__getattr__``):
         AttributeError: a name the package does not export.
     """
-    import sys
 
     def __getattr__(name: str):
         try:

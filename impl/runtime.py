@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .config import config_from_json, load_config
+from .provenance import provenance
 from .schema import core_config
 
 __all__ = ["config_from_args", "load_for", "run_provenance", "set_threads"]
@@ -22,7 +24,6 @@ def config_from_args(args) -> dict[str, Any]:
     Raises:
         ConfigError: an invalid config (one line naming the key); SystemExit: neither option given.
     """
-    from .config import config_from_json, load_config
 
     if getattr(args, "config_json", None):
         text = args.config_json
@@ -44,7 +45,6 @@ def set_threads(cfg: dict[str, Any]) -> None:
 def run_provenance(cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """The provenance fields of a command's rows (:func:`impl.provenance.provenance`): the config's hash,
     its seed, device and dtype, plus ``extra`` fields."""
-    from .provenance import provenance
 
     core = core_config(cfg)
     return {**provenance(cfg, seed=core.seed, device=core.device, dtype=core.dtype), **extra}

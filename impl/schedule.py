@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+import torch
+
 Decay = Literal["cosine", "linear"]
 
 
@@ -20,7 +22,6 @@ def lr_at(step: int, *, lr: float, warmup: int, steps: int, decay: Decay = "cosi
 
     Warm-up, ``step < warmup``: ``lr * (step + 1) / warmup``. Then, with ``t = (step - warmup) /
     max(1, steps - warmup)`` clipped to 1:
-
     * ``"cosine"``: ``lr * (floor + (1 - floor) * (1 + cos(pi * t)) / 2)`` (cosine decay to
       ``floor * lr``; the default floor 0.1 is the 10% of the tiny-LM, drafter and FlexiDepth loops);
     * ``"linear"``: ``lr * max(floor, (steps - step) / max(1, steps - warmup))`` (linear decay to
@@ -56,7 +57,6 @@ def warmup_decay_scheduler(optimizer, *, warmup: int, steps: int, decay: Decay =
     Raises:
         ValueError: as :func:`lr_at`, at construction.
     """
-    import torch
 
     lr_at(0, lr=1.0, warmup=warmup, steps=steps, decay=decay, floor=floor)  # validates the arguments
     return torch.optim.lr_scheduler.LambdaLR(

@@ -22,8 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..ead.accounting import uniform_exploration_set, validate_exploration_set
+from tqdm import tqdm
+
 from ..config import ADAPTED_SUFFIX, split_variant, variant_name  # noqa: F401  (re-exported)
+from ..ead.accounting import uniform_exploration_set, validate_exploration_set
 from ..ead.measure import measure_prompt
 from ..methods import build_method
 from ..spec.sampling import DecodeRule
@@ -197,7 +199,6 @@ def run_cell(model, prompts: list[dict], arms: list[Arm], *, max_new_tokens: int
     Raises:
         ValueError: no AR arm for a temperature some arm uses.
     """
-    from tqdm import tqdm
 
     temps = {a.temperature for a in arms}
     ar_arm = {a.temperature: a for a in arms if a.method == "ar"}

@@ -33,7 +33,6 @@ of ``max_k explorer_seconds[k] + comm_seconds`` is the critical path of explorer
 communication (App. B's expansion + communication components).
 
 Command line (rank 0 writes one JSONL row per prompt)::
-
     torchrun --nproc-per-node K -m impl.dex.distributed --model DIR --prompts FILE.jsonl \\
         --out OUT.jsonl --max-new-tokens N [--temperature T --seed S --decs --exploration-set 4,8,12]
 
@@ -53,10 +52,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import DynamicCache
 
 from ..argtypes import ArgumentParser, nonneg_int, positive_float, positive_int, temperature
 from ..ead.accounting import uniform_exploration_set, validate_exploration_set
 from ..models.depth import embed, num_layers, run_layers
+from ..models.load import load_model, load_tokenizer
+from ..provenance import provenance, write_jsonl
 from ..spec.ar import ar_decode
 from ..spec.sampling import DecodeRule
 from ..workloads.prompts import read_prompts
@@ -250,7 +252,6 @@ class StageExecutor(ReferenceExecutor):
         Raises:
             ValueError: a stage k > 0 without ``hidden`` of n rows.
         """
-        from transformers import DynamicCache
 
         self.reset()
         n = len(input_ids)
@@ -811,9 +812,6 @@ def main(argv: list[str] | None = None) -> None:
         device = pick_device(args.device, local_rank)
     except ValueError as e:
         _fail(rank, str(e))
-
-    from ..models.load import load_model, load_tokenizer
-    from ..provenance import provenance, write_jsonl
 
     torch.set_num_threads(args.threads)
     backend = init_distributed(device, args.timeout_s)

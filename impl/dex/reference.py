@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from ..ead.accounting import validate_exploration_set
 from ..models.depth import embed, num_layers, readout_logits, run_layers
@@ -118,7 +119,6 @@ class ReferenceExecutor:
     @torch.no_grad()
     def prefill(self, input_ids: list[int]) -> None:
         """Run the committed prefix ``input_ids`` through all layers into the committed KV."""
-        from transformers import DynamicCache
 
         self.reset()
         if not input_ids:

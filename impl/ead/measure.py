@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tqdm import tqdm
+from transformers import DynamicCache
 
 from ..models.depth import hidden_states_by_depth, readout_logits
 from ..spec.ar import ar_decode, check_prompt_ids
@@ -44,7 +46,6 @@ def measure_prompt(
     Raises:
         ValueError: empty prompt or a prompt + max_new_tokens beyond the model's context.
     """
-    from transformers import DynamicCache
 
     check_prompt_ids(model, input_ids)
     ctx = getattr(model.config, "max_position_embeddings", None)
@@ -102,7 +103,6 @@ def measure_suite(
         :func:`measure_prompt`; a prompt that cannot be measured (empty, beyond the context) adds a
         ``{"prompt_id", "error"}`` entry instead of crashing the run.
     """
-    from tqdm import tqdm
 
     token_rows: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []

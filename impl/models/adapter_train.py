@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..schedule import lr_at
-
 from .adapters import InducingAdapter, adapter_param_count, new_adapters
+from .corpus import sharegpt_docs
 from .depth import embed, num_layers, readout_logits, run_layers
 
 log = logging.getLogger("impl.models.adapter_train")
@@ -197,7 +197,6 @@ def _train(model, adapters, depths, train_tokens, val_tokens, cfg, progress):
 def sharegpt_tokens(data_dir: str | Path, tokenizer, max_chars: int, val_fraction: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
     """The ShareGPT subset as token ids (documents joined by EOS, the same transcript format as the
     training corpus), split by document into train / held-out arrays (int32)."""
-    from .corpus import sharegpt_docs
 
     docs, total = [], 0
     for d in sharegpt_docs(Path(data_dir)):

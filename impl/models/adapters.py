@@ -17,11 +17,16 @@ and ``adapters.json`` (depths, sizes, activation, the model it was trained for, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers.activations import ACT2FN
+
+from .depth import num_layers
 
 WEIGHTS = "adapters.safetensors"
 META = "adapters.json"
@@ -51,7 +56,6 @@ class InducingAdapter(nn.Module):
     def __init__(self, hidden: int, inner: int | None = None, activation: str = "silu", eps: float = 1e-6,
                  alpha_init: float = 1e-3):
         super().__init__()
-        from transformers.activations import ACT2FN
 
         m = 2 * hidden if inner is None else inner
         self.hidden, self.inner, self.activation, self.eps = hidden, m, activation, eps
@@ -74,7 +78,6 @@ def new_adapters(model, depths, *, inner: int | None = None, alpha_init: float =
     Raises:
         ValueError: a depth outside [1, L-1] (the final depth L never gets an adapter).
     """
-    from .depth import num_layers
 
     L = num_layers(model)
     depths = sorted(set(int(d) for d in depths))
@@ -98,7 +101,6 @@ def model_fingerprint(model) -> str:
     up to 65536 evenly strided entries in float32, so two models of the same architecture (e.g.
     ``tiny-ls`` and ``tiny-std``) get different fingerprints. Cheap for any model size (a strided
     sample, not the whole matrix). Returns 16 hex digits."""
-    import hashlib
 
     w = model.get_output_embeddings().weight.detach()
     flat = w.reshape(-1)
@@ -114,7 +116,6 @@ def save_adapters(adapters: dict[int, InducingAdapter], out_dir: str | Path, met
     """Write ``adapters.safetensors`` and ``adapters.json`` into ``out_dir`` (created); with ``model``
     (the backbone they were trained on) its :func:`model_fingerprint` is recorded, and
     :func:`load_adapters` refuses the set for any other model."""
-    from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -142,7 +143,6 @@ def load_adapters(path: str | Path, model=None) -> dict[int, InducingAdapter]:
         ValueError: adapters that do not fit ``model`` (hidden size, or a depth outside [1, L-1]), or
             that were trained on another model (recorded :func:`model_fingerprint` differs).
     """
-    from safetensors.torch import load_file
 
     p = Path(path)
     if not (p / META).is_file() or not (p / WEIGHTS).is_file():
@@ -156,8 +156,6 @@ def load_adapters(path: str | Path, model=None) -> dict[int, InducingAdapter]:
         a.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(d)})
         out[int(d)] = a.eval()
     if model is not None:
-        from .depth import num_layers
-
         L = num_layers(model)
         fp = info.get("model_fingerprint")
         if fp is not None and fp != model_fingerprint(model):

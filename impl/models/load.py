@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def _check_dir(path: str | Path, what: str, builder: str | None) -> Path:
@@ -31,7 +32,6 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, builder:
     Raises:
         FileNotFoundError: naming the path (and the rule that builds it) when it is missing.
     """
-    from transformers import AutoModelForCausalLM
 
     p = _check_dir(path, "model", builder)
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
@@ -41,7 +41,6 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, builder:
 
 def load_tokenizer(path: str | Path, *, builder: str | None = None):
     """Load the tokenizer saved in a local directory (``AutoTokenizer``, local files only)."""
-    from transformers import AutoTokenizer
 
     p = Path(path)
     if not p.is_dir():

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import LlamaForCausalLM
 
 from ..schedule import lr_at
 from ..schema import Training
-
 from .depth import embed, readout_logits, run_layers
 from .tiny import TinyArch
 
@@ -130,7 +130,6 @@ def train_tiny(
     if len(train_tokens) <= cfg.seq_len + 1:
         raise ValueError(f"training corpus has {len(train_tokens)} tokens, fewer than seq_len+1")
     hf_config = arch.to_hf_config(len(tokenizer), tokenizer.eos_token_id)
-    from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(hf_config)
     model.train()

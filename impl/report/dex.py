@@ -19,6 +19,7 @@ Claims are paired per prompt with a t-based 95% interval (:mod:`impl.stats`).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -182,7 +183,6 @@ def _batches(r: dict) -> list[tuple[int, float]]:
 
 def walltime_model_table(df: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
     """App. B walltime model, calibrated per (variant, suite):
-
     S_wall = T (L + delta_AR) / sum_t (ceil(EAD(t))_X + delta_X(t)), everything in layer units.
     The per-layer cost c (s/layer) is the least-squares slope of explorer batch time on stage width
     (layers) over every batch of the cell's greedy DEX arms (the intercept is the fixed per-batch
@@ -347,7 +347,6 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
     speedups per (variant, workload) labelled by kind, the claims with paired statistics, the
     overhead profile and the walltime-model decomposition. Claims that do not reproduce are stated
     as such."""
-    import os
 
     td, fd, base = Path(tables_dir), Path(figures_dir), Path(base)
     rel = lambda p: os.path.relpath(p, base).replace(os.sep, "/")  # noqa: E731

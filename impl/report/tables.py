@@ -13,8 +13,10 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
+from ..config import model_dir
 from ..ead.summary import ead_summary, s_x_rows, selection_rows
 from ..provenance import read_jsonl, write_text
+from ..schema import core_config
 from ..stats import paired_difference
 
 
@@ -180,9 +182,7 @@ def models_table(cfg: dict, ead_rows: list[dict]) -> pd.DataFrame:
     """One row per measured model: kind, depth L, where its weights come from, and for a converted
     GGUF model the package, version, file digest, quantization note and the conversion check
     (``conversion.json``, :mod:`impl.models.gguf`)."""
-    from ..config import model_dir
     from ..models.gguf import read_conversion
-    from ..schema import core_config
 
     core = core_config(cfg)
     depth = {r["model"]: len(r["candidates"]) for r in ead_rows}

@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator, NoReturn, Sequence
 
 import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from .arms import WorkloadHint, simple
 
@@ -366,8 +368,6 @@ class EngineDriver:
         """
         if self._manager is not None:
             raise RuntimeError(f"{self.name}: engine already started")
-        from transformers import ContinuousBatchingConfig, GenerationConfig
-        from transformers.generation.continuous_batching.utils import WorkloadHints
 
         max_new = hint.max_new_tokens if hint is not None else 16
         gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(1, max_new, self.warmup_new_tokens),

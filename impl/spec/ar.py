@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from .result import DecodeResult
 
@@ -79,7 +80,6 @@ def ar_decode(
         ValueError: on an empty prompt, max_new_tokens < 1, or a prompt plus max_new_tokens longer
             than the model's context (config.max_position_embeddings).
     """
-    from transformers import DynamicCache
 
     check_prompt_ids(model, input_ids)
     if max_new_tokens < 1:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from ..models.depth import decoder_layers, num_layers
 from .result import DecodeResult
@@ -72,7 +73,6 @@ def hf_early_exit_decode(model, input_ids: list[int], max_new_tokens: int, *, ex
     Raises:
         ValueError: bad parameters (see :func:`check_hf_early_exit_params`), empty prompt.
     """
-    from transformers import GenerationConfig
 
     L = num_layers(model)
     check_hf_early_exit_params(L, exit_layer, num_speculations)

@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from transformers import DynamicCache
 
 from ..models.depth import embed, num_layers, readout_logits, run_layers
 from .ar import check_prompt_ids
-from .sampling import DecodeRule
 from .result import DraftVerifyResult
-
+from .sampling import DecodeRule
 
 # --------------------------------------------------------------------------------------------------
 # Shared helpers (also used by impl.spec.adadecode and impl.spec.dynamic_exit)
@@ -123,8 +123,6 @@ class _Runner:
     """
 
     def __init__(self, model):
-        from transformers import DynamicCache
-
         self.model = model
         self.L = num_layers(model)
         self.cache = DynamicCache(config=model.config)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..spec.ar import ar_decode
 from ..spec.sampling import DecodeRule
@@ -105,7 +106,6 @@ def run_tev_cell(target, drafters: dict[str, Any], prompts: list[dict], arms: li
     Raises:
         ValueError: no ``ar`` arm, or an arm naming a drafter not in ``drafters``.
     """
-    from tqdm import tqdm
 
     if not any(a.name == "ar" for a in arms):
         raise ValueError("a TEV cell needs the 'ar' arm (the exactness and speed reference)")

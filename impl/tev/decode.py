@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from impl.models.depth import embed, num_layers, readout_logits, run_layers
 from impl.spec.ar import check_prompt_ids
@@ -201,7 +203,6 @@ def commit_cache(cache, prefix_len: int, n_tree: int, path: Sequence[int]) -> No
         ValueError: a cache of another length, or a path that is not increasing from the root.
         NotImplementedError: a layer type that cannot be gathered (sliding window, ...).
     """
-    from transformers.cache_utils import DynamicLayer
 
     path = [int(u) for u in path]
     k = len(path)
@@ -288,7 +289,6 @@ def tev_decode(
             context, unknown verifier / tree mode, ``budget < 0``, ``depth`` outside
             ``[1, block_size]``, or T > 0 without a generator.
     """
-    from transformers import DynamicCache
 
     check_prompt_ids(target, input_ids)
     if max_new_tokens < 1:

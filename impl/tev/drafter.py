@@ -52,10 +52,15 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
+from tqdm import tqdm
+
+from impl.models.depth import embed, run_layers
+from impl.spec.ar import ar_decode, check_prompt_ids
+from impl.workloads.tokenize import tokenize_suite
 
 from ..schedule import warmup_decay_scheduler
-
 from .schema import DEFAULTS as TEV_DEFAULTS
 from .schema import Drafter
 
@@ -434,7 +439,6 @@ class BlockDrafter(nn.Module):
     def save(self, path: str | Path) -> Path:
         """Write ``model.safetensors`` (drafter weights only) and ``drafter_config.json`` (resolved
         config, target signature, format version) into directory ``path`` (created). Returns it."""
-        from safetensors.torch import save_file
 
         p = Path(path)
         p.mkdir(parents=True, exist_ok=True)
@@ -456,7 +460,6 @@ class BlockDrafter(nn.Module):
             FileNotFoundError: missing directory, config or weights (names the path).
             ValueError: the target's hidden size, vocabulary or depth differ from the saved ones.
         """
-        from safetensors.torch import load_file
 
         p = Path(path)
         if not (p / CONFIG_NAME).is_file() or not (p / WEIGHTS_NAME).is_file():
@@ -499,7 +502,6 @@ def target_features(target, input_ids: Sequence[int] | torch.Tensor, feature_lay
     Returns:
         float ``[S, len(feature_layers) * hidden]`` on the target's device.
     """
-    from impl.models.depth import embed, run_layers
 
     dev = next(target.parameters()).device
     ids = torch.as_tensor(list(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids,
@@ -561,7 +563,6 @@ def sharegpt_prompt_ids(tokenizer, data_dir: str | Path, n: int | None = None, *
     """Token ids of :func:`sharegpt_prompt_texts`, tokenized like the workloads
     (:func:`impl.workloads.tokenize.tokenize_suite`: BOS if any, overlong prompts truncated from the
     left to ``max_prompt_tokens``)."""
-    from impl.workloads.tokenize import tokenize_suite
 
     rows = [{"id": r["id"], "text": r["text"]} for r in sharegpt_prompt_texts(data_dir, n, skip=skip)]
     out, _ = tokenize_suite(rows, tokenizer, max_prompt_tokens)
@@ -658,8 +659,6 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 
 @torch.no_grad()
 def _rollouts(target, prompts, new_tokens: int, eos_token_id, temperature: float, gen) -> list[tuple[list[int], int]]:
-    from impl.spec.ar import ar_decode
-
     out = []
     for ids in prompts:
         r = ar_decode(target, list(ids), new_tokens, eos_token_id=eos_token_id, temperature=temperature,
@@ -720,7 +719,6 @@ def make_rollouts(target, prompts_token_ids: Sequence[Sequence[int]], feature_la
     Raises:
         ValueError: fewer than 2 prompts, bad prompt ids, ``new_tokens < 1``.
     """
-    from impl.spec.ar import check_prompt_ids
 
     prompts = [list(map(int, p)) for p in prompts_token_ids]
     if len(prompts) < 2:
@@ -902,8 +900,6 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
     drafter.train()
     t0 = time.perf_counter()
     try:
-        from tqdm import tqdm
-
         bar = tqdm(range(cfg.steps), desc="train drafter", disable=not cfg.progress, mininterval=5)
     except ImportError:  # pragma: no cover
         bar = range(cfg.steps)

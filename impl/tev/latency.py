@@ -38,6 +38,7 @@ import time
 from typing import Callable, Mapping, Sequence
 
 import torch
+from transformers import DynamicCache
 
 from impl.spec.ar import check_prompt_ids
 
@@ -209,7 +210,6 @@ def verifier_latency(
         if ctx_len is not None and len(p) + rounds_per_prompt * (depth + 1) + max(budgets) + 1 > ctx_len:
             raise ValueError(f"a prompt of {len(p)} tokens leaves no room for {rounds_per_prompt} rounds of depth "
                              f"{depth} and budget {max(budgets)} in the context of {ctx_len}")
-    from transformers import DynamicCache
 
     device = next(target.parameters()).device
     feature_layers = [int(d) for d in drafter.feature_layers]
@@ -368,7 +368,6 @@ class TargetChainDrafter:
     @torch.no_grad()
     def draft_tokens(self, committed: Sequence[int]) -> torch.Tensor:
         """``[H, V]`` log-marginals for the continuation of ``committed`` (its greedy target chain)."""
-        from transformers import DynamicCache
 
         device = next(self.target.parameters()).device
         cache = DynamicCache(config=self.target.config)

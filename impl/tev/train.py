@@ -72,10 +72,12 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from impl.models.depth import embed, num_layers, readout_logits, run_layers
 
 from .builder import best_first_tree
+from .decode import tev_decode
 from .drafter import (
     BlockDrafter,
     RolloutData,
@@ -552,7 +554,6 @@ def evaluate_decoding(target, drafter: BlockDrafter, prompts: Sequence[Sequence[
         ``{"B<b>": {"T<t>": {"mean_tau": tau micro-averaged over rounds pooled over prompts (bonus
         included), "mean_expected_tau": mean of 1 + C_p over the same rounds, "rounds", "tokens"}}}``.
     """
-    from .decode import tev_decode
 
     was = drafter.training
     drafter.eval()
@@ -685,8 +686,6 @@ def train_exittrain(target, drafter_init: BlockDrafter, rollouts: RolloutData, c
     m = min(cfg.tree_contexts_per_seq, cfg.anchors_per_seq)
     drafter.train()
     try:
-        from tqdm import tqdm
-
         bar = tqdm(range(cfg.steps), desc=f"exittrain[{objective}]", disable=not cfg.progress, mininterval=5)
     except ImportError:  # pragma: no cover
         bar = range(cfg.steps)

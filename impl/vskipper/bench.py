@@ -53,11 +53,14 @@ from contextlib import contextmanager
 from typing import Callable, Iterable, Sequence
 
 import torch
-from transformers import DynamicCache
+from torch.profiler import ProfilerActivity, profile
+from transformers import DynamicCache, LlamaForCausalLM
+
+from impl.models.tiny import TinyArch
 
 from .mode import ModeController, ModeSwitch, _block_mask, derive_thresholds, profile_routed_cost
 from .random_skip import RandomSkip
-from .routed import RoutedDecoderLayer, RowContext
+from .routed import RoutedDecoderLayer, RowContext, profile_sections
 from .skipper import Phase, RowMeta, Skipper, StaticDepthSkipper
 
 __all__ = [
@@ -91,9 +94,6 @@ def wide_model(*, hidden_size: int = 256, intermediate_size: int = 704, num_laye
     Returns:
         a ``LlamaForCausalLM`` in eval mode (sdpa attention, tied embeddings).
     """
-    from transformers import LlamaForCausalLM
-
-    from impl.models.tiny import TinyArch
 
     arch = TinyArch(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
                     intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings)
@@ -552,9 +552,6 @@ def prefill_profile(model, *, tokens: int = 2048, prompt_len: int = 256, routed_
         routed layers; empty for upstream), ``top_ops`` (the 12 operators of most self time, ms per
         step), the FLOP prediction ``flop_pred_ratio`` and the realised ``skip_share``.
     """
-    from torch.profiler import ProfilerActivity, profile
-
-    from .routed import profile_sections
 
     a = arch_of(model)
     L = int(a["L"])

@@ -35,9 +35,10 @@ from typing import Iterable, Sequence
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from .schema import Engine
 from .routed import RowContext, install_routed_layers, remove_routed_layers, routed_context
+from .schema import Engine
 from .skipper import RowMeta, Skipper, validate_skipper
 
 __all__ = [
@@ -297,7 +298,6 @@ def generate_greedy(
     ids = [f"req_{i}" for i in range(len(prompts))] if request_ids is None else [str(r) for r in request_ids]
     if len(ids) != len(prompts) or len(set(ids)) != len(ids):
         raise ValueError("request_ids must be unique, one per prompt")
-    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
                                eos_token_id=-1 if eos_token_id is None else eos_token_id)

@@ -3,7 +3,6 @@ al. 2025), its checkpoint format and its stage-1 training.
 
 **The policy.** At every routed layer l a router maps the hidden state entering the layer, ``h``
 (``[n, H]``), to a weight ``w in (0, 1)``::
-
     z = RMSNorm_in(h)                        # the router's own input norm (weight copied from the
                                              # layer's input_layernorm when built from a model)
     z = RMSNorm_mid(tanh(enc(z)))            # bottleneck encoder H -> H/16, tanh, RMSNorm
@@ -56,11 +55,15 @@ from typing import Iterable, NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
+from tqdm import tqdm
+from transformers.masking_utils import create_causal_mask
 
+from ..models.load import load_model
 from ..schedule import lr_at
+from .routed import RoutedDecoderLayer
 from .schema import FlexiDepth as _FlexiDepthSection
-
 from .skipper import RowMeta, Skipper, register_skipper
 
 log = logging.getLogger("impl.vskipper.flexidepth")
@@ -349,7 +352,6 @@ class FlexiDepthSkipper(Skipper):
         Returns:
             the directory path.
         """
-        from safetensors.torch import save_file
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -399,7 +401,6 @@ def load_flexidepth(path: str | Path, model=None, *, device=None, dtype: torch.d
         ValueError: for another format or version, tensors that do not match the recorded sizes, or a
             checkpoint that does not fit ``model``.
     """
-    from safetensors.torch import load_file
 
     p = Path(path)
     wf, mf = p / _WEIGHTS, p / _META
@@ -460,7 +461,6 @@ FlexiDepthSkipper.registered_name = "flexidepth"
 # ======================================================================================================
 def _base_layers(model) -> list:
     """The model's original decoder layers (unwrapping installed routed layers)."""
-    from .routed import RoutedDecoderLayer
 
     return [layer.layer if isinstance(layer, RoutedDecoderLayer) else layer for layer in model.model.layers]
 
@@ -489,7 +489,6 @@ def flexidepth_forward(model, skipper: FlexiDepthSkipper | None, input_ids: torc
     layer every row computes the attention output (causal over all rows: Project-Only rows' K/V are
     their own layer's projections of their input, as in inference) and the MLP contribution, the
     router weight ``w``, the hard decision ``run = w > threshold`` (no gradient), and::
-
         out = where(run, m + w * mlp, h + (1 - w) * adapter(h)),   m = h + attn
 
     which is exactly the routed inference computation of :class:`FlexiDepthSkipper` (tested against
@@ -506,7 +505,6 @@ def flexidepth_forward(model, skipper: FlexiDepthSkipper | None, input_ids: torc
     Returns:
         :class:`FlexiForward`.
     """
-    from transformers.masking_utils import create_causal_mask
 
     backbone = model.model
     layers = _base_layers(model)
@@ -776,8 +774,6 @@ def train_flexidepth(model, token_windows, cfg: FlexiDepthTrainConfig = FlexiDep
         history, losses, lms, skips = [], [], [], []
         bar = None
         if progress:
-            from tqdm import tqdm
-
             bar = tqdm(total=cfg.steps, desc="flexidepth", leave=False)
         t0 = time.perf_counter()
         for step in range(cfg.steps):
@@ -867,7 +863,6 @@ def train_and_save(model_dir: str | Path, out_dir: str | Path, cfg: FlexiDepthTr
     Raises:
         FileNotFoundError: if the model directory is missing; ValueError as :func:`train_flexidepth`.
     """
-    from ..models.load import load_model
 
     model = load_model(model_dir)
     skipper, summary = train_flexidepth(model, data_tokens, cfg, val_windows=val_tokens, progress=progress)

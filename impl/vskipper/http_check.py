@@ -67,8 +67,23 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+import lm_eval
+import torch
+from lm_eval.tasks import TaskManager
+from transformers import AutoConfig
+
+from impl.models.load import load_model, load_tokenizer
+from impl.provenance import read_jsonl, write_json, write_text
+from impl.quality.tasks import TaskOptions, write_task_yamls
+from impl.serving.arms import HTTPCompletionsArm
+from impl.vskipper.quality_run import offline
+
 from .bench_serving import RESULT_KEYS, bench_serving, sglang_python_ok, sharegpt_json
+from .engine import bind_skipper, generate_greedy, routed_cb_config, unbind_skipper
+from .mode import ModeController, ModeSwitch
 from .schema import SERVED_ARMS, BenchServing, Engine
+from .server import serve
+from .spec import parse_skipper_spec
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +135,6 @@ def load_prompts(path: str | os.PathLike, n: int) -> tuple[list[list[int]], list
         FileNotFoundError: for a missing file; ValueError: for ``n < 1``, a file without records, or a
             record without a non-empty ``input_ids`` list.
     """
-    from impl.provenance import read_jsonl
 
     if int(n) < 1:
         raise ValueError(f"need at least one prompt, got n={n}")
@@ -151,7 +165,6 @@ def _cb_overrides(model_dir: Path, engine: Engine | None, n_prompts: int) -> tup
     """Engine settings shared by the served arm and its reference (the typed ``vskipper.engine``
     section; None: transformers' defaults but for the page size, 64); a ``num_blocks`` of None sizes the
     paged cache for ``n_prompts`` full-context requests + 4 pages. Returns ``(overrides, max_model_len)``."""
-    from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -191,13 +204,6 @@ def in_process_reference(model_dir: str | os.PathLike, arm: str, skipper_spec: A
         ValueError: for another arm or a routed arm without a skipper; RuntimeError: when the engine
             fails a request.
     """
-    import torch
-
-    from impl.models.load import load_model
-
-    from .engine import bind_skipper, generate_greedy, routed_cb_config, unbind_skipper
-    from .mode import ModeController, ModeSwitch
-    from .spec import parse_skipper_spec
 
     if arm not in ARMS:
         raise ValueError(f"in-process reference for arm {arm!r}: choose from {', '.join(ARMS)}")
@@ -287,7 +293,6 @@ def _stream_ids(url: str, body: Mapping[str, Any], request_id: str, timeout: flo
 def _token_id_client(base_url: str, model: str, tokenizer, name: str):
     """The load generator's OpenAI-style client, sending token-id prompts (this server accepts them; the
     client's text route would re-tokenize) and ``ignore_eos`` as the request field."""
-    from impl.serving.arms import HTTPCompletionsArm
 
     class _TokenIdPrompts(HTTPCompletionsArm):
         def body(self, input_ids, max_new_tokens, ignore_eos):
@@ -394,9 +399,6 @@ def _check_ids(server, prompts, rids, refs, max_tokens) -> dict:
 
 def _check_lm_eval(server, model_dir: Path, tm, limit: int, seed: int) -> dict:
     """``lm_eval``: ``simple_evaluate(model="local-completions")`` against the arm (module docstring)."""
-    import lm_eval
-
-    from impl.vskipper.quality_run import offline
 
     eng = server.engine
     before = eng.counters["requests"]
@@ -553,9 +555,6 @@ def check_arms(
             cannot run SGLang's client; FileNotFoundError: for a missing model directory, prompt file or
             data file.
     """
-    from impl.models.load import load_tokenizer
-
-    from .server import serve
 
     say = log_fn or log.info
     model_dir = Path(model_dir)
@@ -606,10 +605,6 @@ def check_arms(
     rows: list[dict] = []
     try:
         if "lm_eval" in checks:
-            from lm_eval.tasks import TaskManager
-
-            from impl.vskipper.quality_run import offline
-            from impl.quality.tasks import TaskOptions, write_task_yamls
 
             opts = TaskOptions(gsm8k_max_gen_toks=int(max_gen_toks), datasets_cache_dir=str(work / "hf"),
                                **({} if num_fewshot is None else {"gsm8k_num_fewshot": int(num_fewshot)}))
@@ -697,7 +692,6 @@ def write_outputs(rows: Sequence[Mapping[str, Any]], out_csv: str | os.PathLike,
     Returns:
         the summary dict.
     """
-    from impl.provenance import write_json, write_text
 
     counts = {"PASS": sum(r["verdict"] == "PASS" for r in rows), "FAIL": sum(r["verdict"] != "PASS" for r in rows)}
     summary = {**dict(extra or {}), "rows": [dict(r) for r in rows], "counts": counts,

@@ -58,7 +58,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 import torch
+from transformers import DynamicCache
 
+from .engine import bind_skipper, generate_greedy, unbind_skipper
+from .routed import RoutedDecoderLayer, routed_context
 from .skipper import Phase, RowMeta, Skipper
 
 __all__ = [
@@ -403,8 +406,6 @@ def generate_with_switch(model, prompts: Sequence[Sequence[int]], switch: ModeSw
     Raises:
         ValueError / RuntimeError: as :func:`~impl.vskipper.engine.generate_greedy`.
     """
-    from .engine import generate_greedy
-    from .routed import routed_context
 
     controller = switch if isinstance(switch, ModeController) else ModeController(switch)
     out = generate_greedy(model, prompts, mode="routed", planner=controller, **kwargs)
@@ -448,7 +449,6 @@ def packed_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, a
     Returns:
         ``[1, T, V]`` logits.
     """
-    from .routed import routed_context
 
     ctx = routed_context(model)
     kw = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
@@ -486,8 +486,6 @@ class _Forced(Skipper):
 
 @contextmanager
 def _forced(model, skipper: Skipper, run: bool):
-    from .routed import RoutedDecoderLayer
-
     wrapper = _Forced(skipper, run)
     saved = []
     for layer in model.model.layers:
@@ -548,7 +546,6 @@ def profile_routed_cost(
     packed plain-PyTorch forwards shaped like the continuous-batching engine's batches (several
     requests packed in one row dimension, block-diagonal additive mask as the engine's sdpa/eager
     path uses):
-
     - ``t_dense_s``: dense mode (the unmodified layers, router not consulted);
     - ``t_routed_zero_s``: routed mode where the skipper's router runs but every row RUNs through the
       cohort path (fast path off): routed mode's cost with zero skipped rows;
@@ -582,8 +579,6 @@ def profile_routed_cost(
     Raises:
         ValueError: if the model is bound to another skipper or a batch size is too small.
     """
-    from .engine import bind_skipper, unbind_skipper
-    from .routed import routed_context
 
     bound = getattr(model, "_vskipper_skipper", None)
     if bound is not None and bound is not skipper:
@@ -624,7 +619,6 @@ def profile_routed_cost(
                                  prompt_len=prefill_prompt_len)
         # -- decode -------------------------------------------------------------------------------
         points = []
-        from transformers import DynamicCache
 
         kvh = int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)

@@ -93,6 +93,13 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
     resolve_max_length,
 )
+from transformers import DynamicCache
+
+from impl.vskipper.api_server import make_server
+from impl.vskipper.driver import CompletionEngine
+from impl.vskipper.engine import bind_skipper, generate_greedy
+from impl.vskipper.routed import install_routed_layers, plain_forward, routed_context
+from impl.vskipper.skipper import validate_skipper
 
 __all__ = [
     "ARMS",
@@ -419,9 +426,6 @@ class PlainRoutedLM(_TokenIdLM):
 
     def __init__(self, model, tokenizer, skipper=None, *, arm: str = "B", max_length: int | None = None,
                  add_bos_token: bool | None = None, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
-        from impl.vskipper.routed import install_routed_layers, routed_context
-        from impl.vskipper.skipper import validate_skipper
-
         super().__init__(arm, model, tokenizer, max_length=max_length, add_bos_token=add_bos_token,
                          max_gen_toks=max_gen_toks)
         if skipper is not None:
@@ -437,9 +441,6 @@ class PlainRoutedLM(_TokenIdLM):
     @torch.no_grad()
     def generate_one(self, prompt_ids: Sequence[int], request_id: str, max_gen_toks: int, rule: StopRule) -> list[int]:
         """Greedy ids for one prompt, stopping by ``rule`` or after ``max_gen_toks`` tokens."""
-        from transformers import DynamicCache
-
-        from impl.vskipper.routed import plain_forward
 
         device = next(self.model.parameters()).device
         cache = DynamicCache(config=self.model.config)
@@ -461,9 +462,6 @@ class PlainRoutedLM(_TokenIdLM):
     @torch.no_grad()
     def first_token_logprobs(self, prompt_ids: Sequence[int], request_id: str) -> torch.Tensor:
         """``[V]`` float32 first-token log-probabilities from one plain (routed) prefill forward."""
-        from transformers import DynamicCache
-
-        from impl.vskipper.routed import plain_forward
 
         device = next(self.model.parameters()).device
         cache = DynamicCache(config=self.model.config)
@@ -502,7 +500,6 @@ class EngineLM(_TokenIdLM):
         if skipper is not None:
             if mode != "routed":
                 raise ValueError("a skipper is only bound for mode='routed'")
-            from impl.vskipper.engine import bind_skipper
 
             bind_skipper(model, skipper)
         self.mode = mode
@@ -513,8 +510,6 @@ class EngineLM(_TokenIdLM):
         return next(iter(self.eos_ids)) if len(self.eos_ids) == 1 else None
 
     def _generate_ids(self, prepared):
-        from impl.vskipper.engine import generate_greedy
-
         out: list[list[int] | None] = [None] * len(prepared)
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prepared):
@@ -540,7 +535,6 @@ class EngineLM(_TokenIdLM):
             RuntimeError: when the hooked logits do not reproduce the engine's token or its
                 log-probability (within 1e-4 nats).
         """
-        from impl.vskipper.engine import generate_greedy
 
         head = self.model.get_output_embeddings()
         captured: list[torch.Tensor] = []
@@ -599,8 +593,6 @@ class ServedEndpoint:
     def __init__(self, model, tokenizer, arm: str, *, skipper=None, switch=None, cb_config=None,
                  served_model_name: str = "model", max_logprobs: int = 5, request_timeout_s: float = 3600.0,
                  host: str = "127.0.0.1"):
-        from impl.vskipper.driver import CompletionEngine
-
         self.arm = arm
         self.host = host
         self.engine = CompletionEngine(model, tokenizer, arm, skipper=skipper, switch=switch, cb_config=cb_config,
@@ -616,7 +608,6 @@ class ServedEndpoint:
         Raises:
             RuntimeError: if already started or the engine's warm-up fails.
         """
-        from impl.vskipper.api_server import make_server
 
         if self.server is not None:
             raise RuntimeError("endpoint already started")

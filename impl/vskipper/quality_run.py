@@ -33,12 +33,22 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import datasets.config as dcfg
+import huggingface_hub.constants as hcst
+import lm_eval
 import torch
+from lm_eval.tasks import TaskManager
+from transformers import AutoConfig
 
+from impl.models.load import load_model, load_tokenizer
 from impl.provenance import provenance, write_json, write_jsonl
+from impl.quality.did import check_prompt_hashes, first_token_agreement, per_doc_scores, summarize
+from impl.quality.tasks import PRIMARY_METRIC, QUALITY_SUITES, TaskOptions, TaskSet, write_task_yamls
+from impl.vskipper.skipper import Skipper, build_skipper
 
 from .quality_arms import (
     ARMS,
@@ -52,8 +62,6 @@ from .quality_arms import (
     default_max_length,
     eos_ids_of,
 )
-from impl.quality.did import check_prompt_hashes, first_token_agreement, per_doc_scores, summarize
-from impl.quality.tasks import PRIMARY_METRIC, QUALITY_SUITES, TaskOptions, TaskSet, write_task_yamls
 
 __all__ = ["QualityResult", "run_quality", "resolve_skipper", "offline", "request_rows", "SERVED_MODES"]
 
@@ -110,8 +118,6 @@ def offline():
     try:
         for k in env_keys:
             os.environ[k] = "1"
-        import datasets.config as dcfg
-        import huggingface_hub.constants as hcst
 
         for mod, attr in ((hcst, "HF_HUB_OFFLINE"), (dcfg, "HF_HUB_OFFLINE"), (dcfg, "HF_DATASETS_OFFLINE")):
             if hasattr(mod, attr):
@@ -135,7 +141,6 @@ def resolve_skipper(skipper):
     Raises:
         ValueError: for anything else or an unknown name.
     """
-    from impl.vskipper.skipper import Skipper, build_skipper
 
     if isinstance(skipper, Skipper):
         return skipper
@@ -161,8 +166,6 @@ def _jsonable(obj):
 
 
 def _lm_eval_version() -> str:
-    from importlib.metadata import version
-
     try:
         return version("lm_eval")
     except Exception:  # noqa: BLE001
@@ -170,8 +173,6 @@ def _lm_eval_version() -> str:
 
 
 def _evaluate(lm, ts: TaskSet, tm, limit, seed: int, fewshot_seed: int) -> dict:
-    import lm_eval
-
     res = lm_eval.simple_evaluate(
         model=lm, tasks=ts.task_names, task_manager=tm, limit=limit, log_samples=True, bootstrap_iters=0,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=fewshot_seed,
@@ -275,9 +276,6 @@ def run_quality(
         RuntimeError: when a served arm's engine received other ids than its client sent.
         FileNotFoundError: for a missing model directory or data file.
     """
-    from lm_eval.tasks import TaskManager
-
-    from impl.models.load import load_model, load_tokenizer
 
     arms = [a for a in arms]
     unknown = [a for a in arms if a not in ARMS]
@@ -295,8 +293,6 @@ def run_quality(
 
     tokenizer = load_tokenizer(model_dir)
     if max_length is None:
-        from transformers import AutoConfig
-
         max_length = default_max_length(AutoConfig.from_pretrained(model_dir, local_files_only=True), tokenizer)
     cfg = dict(config) if config is not None else {
         "model_dir": str(model_dir), "checkpoint_dir": str(ckpt_dir), "data_dir": str(data_dir),

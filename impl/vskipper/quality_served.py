@@ -59,7 +59,24 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+import torch
+from lm_eval.api.model import LM
+from lm_eval.models.utils import normalize_gen_kwargs
+from lm_eval.tasks import TaskManager
 
+from impl.models.load import load_model, load_tokenizer
+from impl.provenance import provenance, write_json, write_jsonl
+from impl.quality.did import PromptMismatchError, per_doc_scores
+from impl.quality.tasks import PRIMARY_METRIC, TaskOptions, write_task_yamls
+from impl.serving.arrivals import poisson_arrivals
+from impl.serving.protocol import cell_seed
+from impl.stats import paired_difference
+from impl.vskipper.driver import ARMS as SERVER_ARMS
+from impl.vskipper.engine import sized_cb_config
+from impl.vskipper.spec import parse_skipper_spec
+
+from .quality_arms import ServedEndpoint, StopRule, encode_context, eos_ids_of, post_json, prompt_hash
+from .quality_run import _evaluate, _jsonable, offline
 from .schema import Engine
 
 __all__ = [
@@ -153,7 +170,6 @@ class ServedKneeResult:
         Raises:
             KeyError: when there is no such row.
         """
-        from impl.quality.tasks import PRIMARY_METRIC
 
         if metric is None:
             m, f = PRIMARY_METRIC[suite]
@@ -178,7 +194,6 @@ def doc_requests(rows: Iterable[Mapping[str, Any]]) -> list[StreamRequest]:
 
     Source: vSkipper App. E.1 (identical token ids in every arm), Table 5 (right).
     """
-    from .quality_arms import prompt_hash
 
     out: dict[tuple[str, int], StreamRequest] = {}
     for i, r in enumerate(rows):
@@ -248,7 +263,6 @@ def stream_cb_config(engine: Engine, stream: Sequence[StreamRequest]):
     """The engine configuration of both served arms: the cache of
     :func:`impl.vskipper.engine.sized_cb_config` holds every request of the stream at once (prompt +
     budget tokens each), so no request is evicted."""
-    from impl.vskipper.engine import sized_cb_config
 
     return sized_cb_config(engine, (len(r.prompt_ids) + r.max_tokens for r in stream))
 
@@ -299,7 +313,6 @@ def run_stream(url: str, model: str, stream: Sequence[StreamRequest], schedule, 
 
     Source: vSkipper Sec. 4.1 "Load" (seeded Poisson arrivals, no client-side concurrency cap).
     """
-    from .quality_arms import post_json
 
     if len(stream) != len(schedule.offsets_s):
         raise ValueError(f"{len(stream)} requests but {len(schedule.offsets_s)} scheduled arrivals")
@@ -371,11 +384,6 @@ class ReplayLM:
             add_bos_token: the quality run's ``add_bos_token``.
             default_max_gen_toks: lm-eval's default budget.
         """
-        from lm_eval.api.model import LM
-        from lm_eval.models.utils import normalize_gen_kwargs
-
-        from .quality_arms import encode_context, prompt_hash
-        from impl.quality.did import PromptMismatchError
 
         class _Replay(LM):
             def __init__(self):
@@ -437,7 +445,6 @@ def served_summary(scores: Mapping[str, Mapping[tuple[str, int], Mapping[str, An
 
     Source: vSkipper Sec. 4.3 ("Intervals are computed per document with n = 1"), Table 5 (right).
     """
-    from impl.stats import paired_difference
 
     keys = sorted(keys)
     if not keys:
@@ -531,20 +538,6 @@ def run_served_knee(
 
     Source: vSkipper Sec. 4.3, Table 5 (right), App. E.3.
     """
-    import torch
-    from lm_eval.tasks import TaskManager
-
-    from impl.models.load import load_model, load_tokenizer
-    from impl.provenance import provenance, write_json, write_jsonl
-    from impl.serving.arrivals import poisson_arrivals
-    from impl.serving.protocol import cell_seed
-    from impl.vskipper.driver import ARMS as SERVER_ARMS
-    from impl.vskipper.spec import parse_skipper_spec
-
-    from .quality_arms import ServedEndpoint, StopRule, eos_ids_of, prompt_hash
-    from impl.quality.did import PromptMismatchError, per_doc_scores
-    from .quality_run import _evaluate, _jsonable, offline
-    from impl.quality.tasks import PRIMARY_METRIC, TaskOptions, write_task_yamls
 
     arms = list(arms)
     if len(arms) != 2 or len(set(arms)) != 2 or any(a not in SERVER_ARMS or a == "upstream" for a in arms):

@@ -90,6 +90,8 @@ Keys (units in brackets):
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -361,7 +363,6 @@ def _error(msg: str):
 def _check_quality(cfg: dict[str, Any], v: dict[str, Any]) -> None:
     """Fill in :data:`QUALITY_DEFAULTS` under ``vskipper.quality`` and check it against the data folder
     (BBH subtask files, when the folder exists) and the tiny context."""
-    from pathlib import Path
 
     q = v["quality"]
     for k, val in QUALITY_DEFAULTS.items():
@@ -468,7 +469,6 @@ def target_config(cfg: dict[str, Any], *, model: str | None = None, device: str 
         KeyError: naming the model / device when it is not one of the targets.
         impl.config.ConfigError: when the derived config does not validate.
     """
-    import copy
 
     from impl.config import validate_config
 
@@ -500,8 +500,6 @@ def target_config(cfg: dict[str, Any], *, model: str | None = None, device: str 
 
 
 def _check_bench_serving(cfg: dict[str, Any], v: dict[str, Any]) -> None:
-    from pathlib import Path
-
     b = (v.get("http") or {}).get("bench_serving") or {}
     if b.get("python") and not Path(b["python"]).is_file():
         raise _error(f"'vskipper.http.bench_serving.python' = '{b['python']}' is not a file (create the SGLang "

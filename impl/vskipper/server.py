@@ -3,7 +3,6 @@
 (:mod:`impl.vskipper.api_server`: FastAPI + uvicorn; routes, fields and responses are documented there).
 
 ::
-
     python -m impl.vskipper.server --model DIR --arm hybrid --skipper randomskip:r=0.5,d=0.5 --port 0
 
 prints one JSON line ``{"listening": URL, "port": N, ...}`` once the engine is warm (with the KV-cache
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+
+from impl.models.load import load_model, load_tokenizer
 
 from ..argtypes import ArgumentParser, nonneg_int, port, positive_float, positive_int
 from .api_server import CompletionServer, make_server
@@ -129,7 +130,6 @@ def serve(model_dir: str | Path, arm: str = "hybrid", skipper_spec: Any = None, 
     Raises:
         FileNotFoundError: for a missing model directory; ValueError: for a bad arm / spec / setting.
     """
-    from impl.models.load import load_model, load_tokenizer
 
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")

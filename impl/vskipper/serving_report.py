@@ -56,7 +56,10 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from impl.serving.fmt import fmt_change, num as _num
+from impl.provenance import atomic_path, read_jsonl
+from impl.serving.fmt import fmt_change
+from impl.serving.fmt import num as _num
+
 from .transfer import transfer_section_lines
 
 __all__ = [
@@ -103,8 +106,6 @@ _SUMMARY_COLS = ["experiment", "workload", "point", "factor", "rate", "knee_stat
 
 # ------------------------------------------------------------------------------------------ helpers
 def _rows(paths: Iterable) -> list[dict]:
-    from impl.provenance import read_jsonl
-
     out: list[dict] = []
     for p in paths or []:
         out.extend(read_jsonl(p))
@@ -655,8 +656,6 @@ def knee_figure(rungs: pd.DataFrame, summ: pd.DataFrame, out: str | Path) -> Non
 
 
 def _save(fig, out) -> None:
-    from impl.provenance import atomic_path
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from impl.provenance import config_hash
+
 __all__ = ["target_sig", "transfer_targets", "target_files", "target_args", "device_resources"]
 
 
@@ -18,7 +20,6 @@ def target_sig(tcfg: Mapping[str, Any], top: Iterable[str], vsk_keys: Iterable[s
     """Rule signature (a ``params`` value: a change re-runs the job) of an extra target: the config hash of
     its effective config's top-level keys ``top`` and ``vskipper`` keys ``vsk_keys``, the same keys the main
     rule's ``sig`` covers."""
-    from impl.provenance import config_hash
 
     return config_hash({**{k: tcfg.get(k) for k in top}, "vsk": {k: tcfg["vskipper"].get(k) for k in vsk_keys}})
 

@@ -24,6 +24,7 @@ the interval excludes 0; one repetition is never resolved.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -31,7 +32,9 @@ from typing import Iterable, Mapping
 
 import pandas as pd
 
+from impl.provenance import read_jsonl
 from impl.serving.fmt import fmt_change
+from impl.stats import percent_change
 
 __all__ = ["TRANSFER_TABLE_NAMES", "TABLE6_COLS", "TABLE7_COLS", "paired_e2e", "table6", "table7",
            "transfer_tables", "transfer_section_lines"]
@@ -52,8 +55,6 @@ TABLE7_COLS = ["device_name", "role", "device", "threads", "workload", "point", 
 
 
 def _read_json(path) -> dict:
-    import json
-
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no such JSON file: {p}")
@@ -61,8 +62,6 @@ def _read_json(path) -> dict:
 
 
 def _read_rows(path) -> list[dict]:
-    from impl.provenance import read_jsonl
-
     if not Path(path).is_file():
         raise FileNotFoundError(f"no such JSONL file: {path}")
     return read_jsonl(path)
@@ -88,7 +87,6 @@ def paired_e2e(rows: Iterable[Mapping], lane: str = "matched", metric: str = "e2
 
     Source: vSkipper Sec. 4.1 (paired statistics), Tables 6 and 7.
     """
-    from impl.stats import percent_change
 
     rows = list(rows)
     nan = math.nan

@@ -271,6 +271,27 @@ def test_hf_early_exit_equals_ar(tiny_model, eos):
     assert tiny_model.generation_config.num_assistant_tokens != 6  # the draft settings were restored
 
 
+def test_hf_early_exit_drops_only_transformers_warning_against_its_own_draft_call(tiny_model):
+    import logging
+
+    from impl.spec.hf_early_exit import hf_early_exit_decode
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("transformers.generation.utils")
+    log.addHandler(handler)
+    try:
+        logging.Logger.warning_once.cache_clear()  # transformers' warning_once: each message once per process
+        hf_early_exit_decode(tiny_model, PROMPTS[0], 4, exit_layer=4, num_speculations=2, eos_token_id=None)
+        log.warning("another warning")
+    finally:
+        log.removeHandler(handler)
+    msgs = [r.getMessage() for r in records]
+    assert not [m for m in msgs if "Passing `generation_config` together" in m], msgs
+    assert "another warning" in msgs and not log.filters  # the filter is gone after the call
+
+
 def test_hf_early_exit_accounting_matches_lssd_hand_built(identity_tail_model):
     """Every depth->=4 draft is accepted: transformers' passes cost what LSSD's rounds cost."""
     from impl.spec.hf_early_exit import hf_early_exit_decode

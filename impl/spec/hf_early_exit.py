@@ -14,6 +14,7 @@ transformers 5.24 ``GenerationConfig.assistant_early_exit``.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,21 @@ def check_hf_early_exit_params(L: int, exit_layer: int, num_speculations: int) -
         raise ValueError(f"hf_early_exit: exit_layer={exit_layer} is outside [1, {L - 1}]")
     if num_speculations < 1:
         raise ValueError(f"hf_early_exit: num_speculations={num_speculations} must be >= 1")
+
+
+class _OwnDraftCallWarning(logging.Filter):
+    """Drops the one deprecation warning transformers raises against its own draft call: its
+    candidate generator passes ``generation_config`` together with ``min_new_tokens`` /
+    ``max_new_tokens`` to the assistant's ``generate`` (transformers 5.24,
+    ``candidate_generator.AssistedCandidateGenerator._prepare_generation_args``); this arm passes
+    only a ``generation_config``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("Passing `generation_config` together with generation-related" in msg and "new_tokens" in msg)
+
+
+_GENERATE_LOGGER = logging.getLogger("transformers.generation.utils")
 
 
 @torch.no_grad()
@@ -101,6 +117,8 @@ def hf_early_exit_decode(model, input_ids: list[int], max_new_tokens: int, *, ex
     draft = {"num_assistant_tokens": num_speculations, "num_assistant_tokens_schedule": "constant",
              "assistant_confidence_threshold": 0.0}
     saved = {k: getattr(model.generation_config, k, None) for k in draft}
+    quiet = _OwnDraftCallWarning()
+    _GENERATE_LOGGER.addFilter(quiet)
     try:
         for k, v in draft.items():
             setattr(model.generation_config, k, v)
@@ -108,6 +126,7 @@ def hf_early_exit_decode(model, input_ids: list[int], max_new_tokens: int, *, ex
         out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen)
         seconds = time.perf_counter() - t0
     finally:
+        _GENERATE_LOGGER.removeFilter(quiet)
         for k, v in saved.items():
             setattr(model.generation_config, k, v)
         for h in handles:

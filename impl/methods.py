@@ -21,6 +21,7 @@ from .spec.adadecode import adadecode_decode, check_adadecode_params
 from .spec.ar import ar_decode
 from .spec.dynamic_exit import check_dynamic_exit_params, dynamic_exit_decode
 from .spec.hf_early_exit import check_hf_early_exit_params, hf_early_exit_decode
+from .spec.hf_prompt_lookup import check_hf_prompt_lookup_params, hf_prompt_lookup_decode
 from .spec.sampling import DecodeRule
 from .spec.self_spec import check_self_spec_params, self_spec_decode
 
@@ -68,7 +69,9 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
     ``num_speculations``), ``adadecode`` (``shortcut_layers``, ``threshold``, ``num_speculations``),
     ``dynamic_exit`` (DEL: optional ``exit_layers``, ``num_speculations``, ``confidence_threshold``).
     Library reference: ``hf_early_exit`` (transformers' ``generate(assistant_early_exit=...)``, greedy
-    only: ``exit_layer``, ``num_speculations``; :mod:`impl.spec.hf_early_exit`).
+    only: ``exit_layer``, ``num_speculations``; :mod:`impl.spec.hf_early_exit`); ``hf_prompt_lookup``
+    (transformers' prompt-lookup decoding, greedy only: ``num_tokens``, optional
+    ``max_matching_ngram_size``, default 2; :mod:`impl.spec.hf_prompt_lookup`).
 
     Params (DEX): ``exploration_set`` (tuple of depths), ``decs`` (bool), ``single_exit`` (bool),
     ``dedupe`` (bool); ``adapters``: inducing adapters by depth (DEX App. C.2), the ones at the
@@ -199,6 +202,23 @@ def _hf_early_exit(model, rule: DecodeRule, params: dict, adapters, L: int):
                 "critical_layers_total": r.critical_layers, "draft_passes": r.draft_passes,
                 "verify_passes": r.verify_passes}
     return run_hf
+
+
+@METHODS.register("hf_prompt_lookup", aliases=("prompt_lookup",))
+def _hf_prompt_lookup(model, rule: DecodeRule, params: dict, adapters, L: int):
+    _check_names("hf_prompt_lookup", params, ("num_tokens", "max_matching_ngram_size"), ("num_tokens",))
+    if rule.temperature != 0:
+        raise ValueError("hf_prompt_lookup runs greedy only (transformers' sampler draws its own noise, so its "
+                         "samples cannot be compared token for token with AR's)")
+    ngram = params.get("max_matching_ngram_size", 2)
+    check_hf_prompt_lookup_params(params["num_tokens"], ngram)
+
+    def run_lookup(ids, n, eos):
+        r = hf_prompt_lookup_decode(model, ids, n, num_tokens=params["num_tokens"], max_matching_ngram_size=ngram,
+                                    eos_token_id=eos)
+        return {"token_ids": r.tokens, "seconds": r.seconds, "stopped_at_eos": r.stopped_at_eos,
+                "critical_layers_total": r.critical_layers, "verify_passes": r.verify_passes}
+    return run_lookup
 
 
 def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: dict, rule: DecodeRule,

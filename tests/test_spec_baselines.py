@@ -304,6 +304,79 @@ def test_hf_early_exit_accounting_matches_lssd_hand_built(identity_tail_model):
     assert hf.critical_layers == ss.critical_layers == 64
 
 
+@pytest.mark.parametrize("eos", [None, 0])
+def test_hf_prompt_lookup_equals_ar(tiny_model, eos):
+    from impl.spec.hf_prompt_lookup import hf_prompt_lookup_decode
+
+    for prompt in PROMPTS + [[3, 17, 42, 8, 3, 17, 42, 8, 3, 17]]:  # the last one: n-grams that recur
+        ar = ar_decode(tiny_model, prompt, N, eos_token_id=eos).tokens
+        for k, ngram in [(1, 1), (3, 2), (8, 3)]:
+            res = hf_prompt_lookup_decode(tiny_model, prompt, N, num_tokens=k, max_matching_ngram_size=ngram,
+                                          eos_token_id=eos)
+            assert res.tokens == ar, (prompt, k, ngram)
+            assert 1 <= res.verify_passes <= len(ar) and res.critical_layers == L * res.verify_passes
+
+
+def _cycle_model(perm):
+    """A 2-layer Llama whose layers are exact identities and whose LM head maps token t to perm[t]:
+    greedy decoding walks the permutation's cycle from the last prompt token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    V = len(perm)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=V, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        m.model.embed_tokens.weight.copy_(torch.eye(V))
+        head = torch.zeros(V, V)
+        for t, nxt in enumerate(perm):
+            head[nxt, t] = 1.0
+        m.lm_head.weight.copy_(head)
+    return m
+
+
+def test_hf_prompt_lookup_accounting_hand_built():
+    """On a cycle that the prompt already contains, every draft is the true continuation: each
+    verification commits num_tokens + 1 tokens, so passes = 1 (prefill) + ceil((n - 1) / (k + 1));
+    without a recurring n-gram nothing is drafted and every token costs a pass, as AR's."""
+    from impl.spec.hf_prompt_lookup import hf_prompt_lookup_decode
+
+    perm = [(t + 1) % 8 for t in range(8)]  # 0 -> 1 -> ... -> 7 -> 0
+    m = _cycle_model(perm)
+    prompt = list(range(8)) + [0]  # the whole cycle, then its first token again
+    n, k = 13, 3
+    ar = ar_decode(m, prompt, n).tokens
+    assert ar == [(1 + i) % 8 for i in range(n)]
+    res = hf_prompt_lookup_decode(m, prompt, n, num_tokens=k, max_matching_ngram_size=2, eos_token_id=None)
+    assert res.tokens == ar
+    assert res.verify_passes == 1 + -(-(n - 1) // (k + 1)) == 4
+    no_match = hf_prompt_lookup_decode(m, [5], 2, num_tokens=k, max_matching_ngram_size=2, eos_token_id=None)
+    assert no_match.tokens == [6, 7] and no_match.verify_passes == 2
+
+
+def test_hf_prompt_lookup_bad_parameters(tiny_model):
+    from impl.methods import build_method
+    from impl.spec.hf_prompt_lookup import hf_prompt_lookup_decode
+
+    with pytest.raises(ValueError, match="num_tokens=0 must be an integer >= 1"):
+        hf_prompt_lookup_decode(tiny_model, [1, 2], 4, num_tokens=0, eos_token_id=None)
+    with pytest.raises(ValueError, match="empty prompt"):
+        hf_prompt_lookup_decode(tiny_model, [], 4, num_tokens=2, eos_token_id=None)
+    with pytest.raises(ValueError, match="greedy only"):
+        build_method("hf_prompt_lookup", tiny_model, DecodeRule(temperature=1.0), {"num_tokens": 2})
+    with pytest.raises(ValueError, match="missing"):
+        build_method("prompt_lookup", tiny_model, DecodeRule(), {})
+    with pytest.raises(ValueError, match="max_matching_ngram_size=True"):
+        build_method("hf_prompt_lookup", tiny_model, DecodeRule(), {"num_tokens": 2, "max_matching_ngram_size": True})
+    run = build_method("prompt_lookup", tiny_model, DecodeRule(), {"num_tokens": 3})
+    row = run([3, 17, 42], 6, None)
+    assert row["token_ids"] == ar_decode(tiny_model, [3, 17, 42], 6).tokens
+    assert row["critical_layers_total"] == L * row["verify_passes"]
+
+
 def test_hf_early_exit_bad_parameters(tiny_model):
     from impl.methods import build_method
     from impl.spec.hf_early_exit import hf_early_exit_decode

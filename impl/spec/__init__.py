@@ -2,7 +2,8 @@
 
 Depth-selection baselines of DEX Sec. 4 / App. D: LayerSkip self-speculation (:mod:`.self_spec`),
 AdaDecode (:mod:`.adadecode`) and DEL (:mod:`.dynamic_exit`); each is lossless and charges its
-layer work and critical-path layers per round.
+layer work and critical-path layers per round. Library arms from transformers' ``generate``:
+LayerSkip-style early exit (:mod:`.hf_early_exit`) and prompt-lookup decoding (:mod:`.hf_prompt_lookup`).
 
 Names are exported lazily (PEP 562): importing the package (e.g. for its light ``schema``
 module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`` imports X's module.
@@ -21,11 +22,15 @@ _EXPORTS = {
     'ar_decode': '.ar',
     'DELResult': '.dynamic_exit',
     'dynamic_exit_decode': '.dynamic_exit',
+    'HFEarlyExitResult': '.hf_early_exit',
+    'hf_early_exit_decode': '.hf_early_exit',
+    'HFPromptLookupResult': '.hf_prompt_lookup',
+    'hf_prompt_lookup_decode': '.hf_prompt_lookup',
     'SelfSpecResult': '.self_spec',
     'self_spec_decode': '.self_spec',
 }
 
-__all__ = ['ARResult', 'ar_decode', 'SelfSpecResult', 'self_spec_decode', 'AdaDecodeResult', 'adadecode_decode', 'uniform_shortcut_layers', 'DELResult', 'dynamic_exit_decode']
+__all__ = ['ARResult', 'ar_decode', 'SelfSpecResult', 'self_spec_decode', 'AdaDecodeResult', 'adadecode_decode', 'uniform_shortcut_layers', 'DELResult', 'dynamic_exit_decode', 'HFEarlyExitResult', 'hf_early_exit_decode', 'HFPromptLookupResult', 'hf_prompt_lookup_decode']
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

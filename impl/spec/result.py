@@ -4,7 +4,7 @@
 the prefill time); :class:`DraftVerifyResult` adds the per-round record and the layer accounting of the
 draft-and-verify baselines (LayerSkip self-speculation, DEL, AdaDecode; DEX Sec. 4 / App. D, Prop. 7:
 token-layer work and critical-path layers after the prompt prefill). AR (:mod:`.ar`), transformers'
-early-exit reference (:mod:`.hf_early_exit`), DEX (:mod:`impl.dex.decoder`) and TEV
+early-exit reference (:mod:`.hf_early_exit`), its prompt-lookup arm (:mod:`.hf_prompt_lookup`), DEX (:mod:`impl.dex.decoder`) and TEV
 (:mod:`impl.tev.decode`) extend :class:`DecodeResult` with their own per-token or per-round fields.
 
 Every record is a keyword-only dataclass (construct it with field names).

@@ -21,6 +21,8 @@ from .spec.adadecode import adadecode_decode, check_adadecode_params
 from .spec.ar import ar_decode
 from .spec.dynamic_exit import check_dynamic_exit_params, dynamic_exit_decode
 from .spec.hf_early_exit import check_hf_early_exit_params, hf_early_exit_decode
+from .models.load import load_model
+from .spec.hf_assisted import check_hf_assisted, hf_assisted_decode
 from .spec.hf_prompt_lookup import check_hf_prompt_lookup_params, hf_prompt_lookup_decode
 from .spec.sampling import DecodeRule
 from .spec.self_spec import check_self_spec_params, self_spec_decode
@@ -71,7 +73,9 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
     Library reference: ``hf_early_exit`` (transformers' ``generate(assistant_early_exit=...)``, greedy
     only: ``exit_layer``, ``num_speculations``; :mod:`impl.spec.hf_early_exit`); ``hf_prompt_lookup``
     (transformers' prompt-lookup decoding, greedy only: ``num_tokens``, optional
-    ``max_matching_ngram_size``, default 2; :mod:`impl.spec.hf_prompt_lookup`).
+    ``max_matching_ngram_size``, default 2; :mod:`impl.spec.hf_prompt_lookup`); ``hf_assisted``
+    (transformers' assisted decoding with a draft model over the same vocabulary, greedy only:
+    ``assistant`` (a model directory), ``num_assistant_tokens``; :mod:`impl.spec.hf_assisted`).
 
     Params (DEX): ``exploration_set`` (tuple of depths), ``decs`` (bool), ``single_exit`` (bool),
     ``dedupe`` (bool); ``adapters``: inducing adapters by depth (DEX App. C.2), the ones at the
@@ -219,6 +223,26 @@ def _hf_prompt_lookup(model, rule: DecodeRule, params: dict, adapters, L: int):
         return {"token_ids": r.tokens, "seconds": r.seconds, "stopped_at_eos": r.stopped_at_eos,
                 "critical_layers_total": r.critical_layers, "verify_passes": r.verify_passes}
     return run_lookup
+
+
+@METHODS.register("hf_assisted", aliases=("assisted",))
+def _hf_assisted(model, rule: DecodeRule, params: dict, adapters, L: int):
+    _check_names("hf_assisted", params, ("assistant", "num_assistant_tokens"), ("assistant", "num_assistant_tokens"))
+    if rule.temperature != 0:
+        raise ValueError("hf_assisted runs greedy only (transformers' sampler draws its own noise, so its "
+                         "samples cannot be compared token for token with AR's)")
+    a = params["assistant"]
+    assistant = a if hasattr(a, "generate") else load_model(a, dtype=next(model.parameters()).dtype)
+    assistant = assistant.to(next(model.parameters()).device).eval()
+    check_hf_assisted(model, assistant, params["num_assistant_tokens"])
+
+    def run_assisted(ids, n, eos):
+        r = hf_assisted_decode(model, assistant, ids, n, num_assistant_tokens=params["num_assistant_tokens"],
+                               eos_token_id=eos)
+        return {"token_ids": r.tokens, "seconds": r.seconds, "stopped_at_eos": r.stopped_at_eos,
+                "critical_layers_total": r.critical_layers, "target_passes": r.target_passes,
+                "draft_passes": r.draft_passes, "draft_layers_total": r.draft_layers}
+    return run_assisted
 
 
 def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: dict, rule: DecodeRule,

@@ -340,21 +340,80 @@ def _cycle_model(perm):
 
 def test_hf_prompt_lookup_accounting_hand_built():
     """On a cycle that the prompt already contains, every draft is the true continuation: each
-    verification commits num_tokens + 1 tokens, so passes = 1 (prefill) + ceil((n - 1) / (k + 1));
-    without a recurring n-gram nothing is drafted and every token costs a pass, as AR's."""
+    verification (the first one reads the prompt too) commits num_tokens + 1 tokens, so passes =
+    ceil(n / (k + 1)); without a recurring n-gram nothing is drafted and every token costs a pass, as AR's."""
     from impl.spec.hf_prompt_lookup import hf_prompt_lookup_decode
 
     perm = [(t + 1) % 8 for t in range(8)]  # 0 -> 1 -> ... -> 7 -> 0
     m = _cycle_model(perm)
     prompt = list(range(8)) + [0]  # the whole cycle, then its first token again
-    n, k = 13, 3
+    n, k = 14, 3
     ar = ar_decode(m, prompt, n).tokens
     assert ar == [(1 + i) % 8 for i in range(n)]
     res = hf_prompt_lookup_decode(m, prompt, n, num_tokens=k, max_matching_ngram_size=2, eos_token_id=None)
     assert res.tokens == ar
-    assert res.verify_passes == 1 + -(-(n - 1) // (k + 1)) == 4
+    assert res.verify_passes == -(-n // (k + 1)) == 4 and res.critical_layers == 2 * 4
     no_match = hf_prompt_lookup_decode(m, [5], 2, num_tokens=k, max_matching_ngram_size=2, eos_token_id=None)
     assert no_match.tokens == [6, 7] and no_match.verify_passes == 2
+
+
+@pytest.mark.parametrize("eos", [None, 0])
+def test_hf_assisted_equals_ar(tiny_model, eos):
+    """A draft with other weights (most drafts rejected) and the target's own copy (all accepted)."""
+    from transformers import LlamaForCausalLM
+
+    from impl.spec.hf_assisted import hf_assisted_decode
+
+    torch.manual_seed(1)
+    other = LlamaForCausalLM(copy.deepcopy(tiny_model.config)).eval()
+    other.config.num_hidden_layers = 2
+    other.model.layers = other.model.layers[:2]
+    for prompt in PROMPTS:
+        ar = ar_decode(tiny_model, prompt, N, eos_token_id=eos).tokens
+        for assistant, k in [(other, 1), (other, 4), (copy.deepcopy(tiny_model), 5)]:
+            res = hf_assisted_decode(tiny_model, assistant, prompt, N, num_assistant_tokens=k, eos_token_id=eos)
+            assert res.tokens == ar, (prompt, k)
+            assert res.critical_layers == L * res.target_passes and res.draft_passes >= 1
+    assert other.generation_config.num_assistant_tokens != 4  # the draft settings were restored
+
+
+def test_hf_assisted_accounting_hand_built():
+    """An assistant equal to the target drafts the true continuation: passes = ceil(n / (k + 1)) of
+    the target and k per round of the assistant."""
+    from impl.spec.hf_assisted import hf_assisted_decode
+
+    m = _cycle_model([(t + 1) % 8 for t in range(8)])
+    n, k = 16, 3
+    res = hf_assisted_decode(m, copy.deepcopy(m), [4], n, num_assistant_tokens=k, eos_token_id=None)
+    assert res.tokens == ar_decode(m, [4], n).tokens == [(5 + i) % 8 for i in range(n)]
+    assert (res.target_passes, res.draft_passes) == (4, 12) and res.draft_layers == 2 * 12
+
+
+def test_hf_assisted_bad_parameters(tiny_model, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from impl.methods import build_method
+    from impl.spec.hf_assisted import hf_assisted_decode
+
+    with pytest.raises(ValueError, match="must be a separate model"):
+        hf_assisted_decode(tiny_model, tiny_model, [1, 2], 4, num_assistant_tokens=2, eos_token_id=None)
+    small_vocab = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=2)).eval()
+    with pytest.raises(ValueError, match=r"vocabulary \(50 ids\) is not the target's \(97\)"):
+        hf_assisted_decode(tiny_model, small_vocab, [1, 2], 4, num_assistant_tokens=2, eos_token_id=None)
+    with pytest.raises(ValueError, match="num_assistant_tokens=0"):
+        build_method("hf_assisted", tiny_model, DecodeRule(), {"assistant": copy.deepcopy(tiny_model),
+                                                               "num_assistant_tokens": 0})
+    with pytest.raises(ValueError, match="greedy only"):
+        build_method("assisted", tiny_model, DecodeRule(temperature=1.0), {"assistant": "x", "num_assistant_tokens": 2})
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        build_method("assisted", tiny_model, DecodeRule(), {"assistant": str(tmp_path / "nowhere"),
+                                                            "num_assistant_tokens": 2})
+    copy.deepcopy(tiny_model).save_pretrained(tmp_path / "draft")
+    run = build_method("assisted", tiny_model, DecodeRule(), {"assistant": str(tmp_path / "draft"),
+                                                              "num_assistant_tokens": 3})
+    row = run([3, 17, 42], 8, None)
+    assert row["token_ids"] == ar_decode(tiny_model, [3, 17, 42], 8).tokens and row["draft_passes"] >= 1
 
 
 def test_hf_prompt_lookup_bad_parameters(tiny_model):

@@ -14,9 +14,11 @@ transformers 5.24 ``GenerationConfig.assistant_early_exit``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from transformers import GenerationConfig
@@ -73,6 +75,18 @@ class _OwnDraftCallWarning(logging.Filter):
 _GENERATE_LOGGER = logging.getLogger("transformers.generation.utils")
 
 
+@contextlib.contextmanager
+def own_draft_call_quiet() -> Iterator[None]:
+    """While inside, transformers' warning against its own draft call (:class:`_OwnDraftCallWarning`)
+    is dropped; every other message of ``generate`` still gets through."""
+    quiet = _OwnDraftCallWarning()
+    _GENERATE_LOGGER.addFilter(quiet)
+    try:
+        yield
+    finally:
+        _GENERATE_LOGGER.removeFilter(quiet)
+
+
 @torch.no_grad()
 def hf_early_exit_decode(model, input_ids: list[int], max_new_tokens: int, *, exit_layer: int,
                          num_speculations: int, eos_token_id: int | None) -> HFEarlyExitResult:
@@ -117,16 +131,14 @@ def hf_early_exit_decode(model, input_ids: list[int], max_new_tokens: int, *, ex
     draft = {"num_assistant_tokens": num_speculations, "num_assistant_tokens_schedule": "constant",
              "assistant_confidence_threshold": 0.0}
     saved = {k: getattr(model.generation_config, k, None) for k in draft}
-    quiet = _OwnDraftCallWarning()
-    _GENERATE_LOGGER.addFilter(quiet)
     try:
         for k, v in draft.items():
             setattr(model.generation_config, k, v)
-        t0 = time.perf_counter()
-        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen)
-        seconds = time.perf_counter() - t0
+        with own_draft_call_quiet():
+            t0 = time.perf_counter()
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen)
+            seconds = time.perf_counter() - t0
     finally:
-        _GENERATE_LOGGER.removeFilter(quiet)
         for k, v in saved.items():
             setattr(model.generation_config, k, v)
         for h in handles:

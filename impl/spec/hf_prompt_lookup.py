@@ -6,7 +6,7 @@ The draft is the continuation of the latest n-gram of the context (up to ``max_m
 tokens) where it occurred before, at most N tokens (``PromptLookupCandidateGenerator``); one full-depth
 pass verifies it. Greedy verification is lossless, so the ids must equal AR's. The library returns only
 the ids, so the accounting comes from a forward hook on the first decoder layer: every pass is a
-full-depth pass (L layers; the prompt's prefill is one of them), so the critical path is ``L * passes``
+full-depth pass (L layers; the first one reads the prompt too), so the critical path is ``L * passes``
 against AR's ``L`` per token (DEX Prop. 7 accounting), and ``tokens / passes`` is the mean accepted
 length per verification (plus the bonus token).
 

@@ -148,6 +148,41 @@ def cmd_train_adapters(args) -> None:
     log.info("adapters at depths %s: KL %.3f in %.0f s", depths, summary["final_kl"], summary["train_seconds"])
 
 
+def cmd_train_draft(args) -> None:
+    """A layer-truncated draft of the model, distilled to it (``dex.draft``; :mod:`impl.models.draft`)."""
+    import torch
+
+    from .dex.schema import dex_section
+    from .models.adapter_train import sharegpt_tokens
+    from .models.depth import num_layers
+    from .models.draft import DraftTrainConfig, draft_depths, train_draft, truncated_draft
+    from .models.load import load_tokenizer
+    from .provenance import atomic_path, provenance, write_json
+
+    cfg = config_from_args(args)
+    dex = dex_section(cfg, why=" (draft settings live in dex.draft)")
+    d = dex.draft
+    if d is None:
+        raise SystemExit("config: dex.draft is not set (the draft model's layers and budget)")
+    model = load_for(cfg, args.model_dir)
+    tok = load_tokenizer(args.model_dir)
+    depths = draft_depths(num_layers(model), d.layers)
+    draft = truncated_draft(model, depths)
+    tcfg = DraftTrainConfig(steps=d.steps, batch_size=d.batch_size, seq_len=d.seq_len, lr=d.lr,
+                            position_fraction=d.position_fraction, threads=d.threads, seed=core_config(cfg).seed)
+    train, val = sharegpt_tokens(core_config(cfg).data_dir, tok, d.max_chars)
+    with torch.enable_grad():
+        summary = train_draft(model, draft, train, val, tcfg, progress=not args.quiet)
+    summary.update(depths=depths, model_dir=str(args.model_dir), data="sharegpt",
+                   train_tokens_available=int(len(train)), **provenance(cfg, seed=core_config(cfg).seed))
+    with atomic_path(args.out) as tmp:
+        draft.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    write_json(args.summary, summary)
+    log.info("draft of %s at depths %s: top-1 agreement %.3f -> %.3f in %.0f s", args.model_dir, depths,
+             summary["before"]["top1_agreement"], summary["after"]["top1_agreement"], summary["train_seconds"])
+
+
 def cmd_workload(args) -> None:
     from .provenance import write_jsonl
     from .workloads import DEFAULT_TEMPLATES, build_text_suite
@@ -371,7 +406,8 @@ def cmd_dex_tables(args) -> None:
     rows = [r for f in args.cells for r in read_jsonl(f)]
     summaries = [json.loads(Path(f).read_text()) for f in args.adapters]
     dist = [r for f in args.distributed for r in read_jsonl(f)]
-    for name, df in dex_tables(rows, summaries, dist).items():
+    drafts = [json.loads(Path(f).read_text()) for f in args.drafts]
+    for name, df in dex_tables(rows, summaries, dist, drafts).items():
         write_table(df, Path(args.out_dir) / name)
     log.info("DEX tables from %d cells -> %s", len(args.cells), args.out_dir)
 
@@ -516,6 +552,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--out", required=True, help="adapter directory to write")
     sp.add_argument("--summary", required=True, help="training summary JSON to write")
+    sp = add("train-draft", cmd_train_draft,
+             "a small draft model for the speculative arms: the model's layers at evenly spaced depths, distilled to it")
+    sp.add_argument("--model-dir", required=True)
+    sp.add_argument("--out", required=True, help="draft model directory to write (Hugging Face format)")
+    sp.add_argument("--summary", required=True, help="training summary JSON to write")
     sp = add("workload", cmd_workload, "freeze a text prompt suite (seeded sample of N prompts)")
     sp.add_argument("--suite", required=True, choices=list(SUITES))
     sp.add_argument("--out", required=True)
@@ -574,6 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cells", nargs="+", required=True, help="dex-cell row files")
     sp.add_argument("--adapters", nargs="*", default=[], help="adapter training summaries")
     sp.add_argument("--distributed", nargs="*", default=[], help="rows of python -m impl.dex.distributed")
+    sp.add_argument("--drafts", nargs="*", default=[], help="draft training summaries (train-draft)")
     sp.add_argument("--out-dir", required=True)
     sp = add("dex-figures", cmd_dex_figures, "DEX Fig. 3 / Fig. 4 shapes from the DEX tables")
     sp.add_argument("--tables-dir", required=True)

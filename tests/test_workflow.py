@@ -53,6 +53,11 @@ def test_smoke_dex_section(smoke_run):
     summary = json.loads((smoke_run / "results" / "dex" / "adapters" / "tiny-std.json").read_text())
     assert summary["parameters_per_adapter"] == 4 * 64 * 64 + 4 * 64 + 1
     assert all(summary["after"][d]["kl"] < summary["before"][d]["kl"] for d in summary["after"])
+    drafts = pd.read_csv(smoke_run / "results" / "tables" / "dex" / "dex_draft.csv")  # dex.draft: 3 layers
+    assert list(drafts["model"]) == ["tiny-ls", "tiny-std"] and (drafts["depths"] == "1 6 12").all()
+    assert ((drafts["top1_after"] >= 0) & (drafts["top1_after"] <= 1)).all() and "Draft models for the speculative" in report
+    draft_cfg = json.loads((smoke_run / "models" / "tiny-std-draft" / "config.json").read_text())
+    assert draft_cfg["num_hidden_layers"] == 3 and draft_cfg["draft_of_depths"] == [1, 6, 12]
 
 
 @pytest.mark.slow

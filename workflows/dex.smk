@@ -41,7 +41,7 @@ if DEX:
             adapters=lambda w, input: f"--adapters {input.adapters}" if "adapters" in input.keys() else "",
             sig=lambda w: sig("seed", "threads", "device", "dtype",
                               dex={k: v for k, v in DEX.items()
-                                   if k not in ("models", "workloads", "adapters", "distributed")}),
+                                   if k not in ("models", "workloads", "adapters", "distributed", "draft")}),
         threads: CFG["threads"]
         log:
             f"{LOGS}/dex/{{variant}}/{{suite}}.log",
@@ -91,8 +91,29 @@ if DEX:
             "--max-new-tokens {params.n} --seed {params.seed} {params.eos} {params.dedupe} --warmup-prompts 1 "
             "--device auto 2> {log}"
 
+    # a small draft model per dex model for the speculative arms (Fig. 5), when dex.draft is set
+    DRAFTS = expand(f"{RESULTS}/dex/draft/{{model}}.json", model=DEX["models"]) if DEX.get("draft") else []
+
+    rule train_draft:
+        conda:
+            "../env.yaml"
+        input:
+            model=model_path,
+        output:
+            draft=directory(f"{MODELS}/{{model}}-draft"),
+            summary=f"{RESULTS}/dex/draft/{{model}}.json",
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            sig=sig("data_dir", "seed", "device", "dtype", draft=DEX.get("draft")),
+        threads: (DEX.get("draft") or {}).get("threads", 1)
+        log:
+            f"{LOGS}/dex/draft/{{model}}.log",
+        shell:
+            "python -m impl train-draft --config-json @{params.cfg} --quiet --model-dir {input.model} "
+            "--out {output.draft} --summary {output.summary} 2> {log}"
+
     DEX_TABLE_NAMES = ["dex_arms", "dex_claims", "dex_overhead", "dex_walltime_model", "dex_tuning", "dex_adapters",
-                       "dex_adapter_ead", "dex_distributed"]
+                       "dex_adapter_ead", "dex_distributed", "dex_draft"]
     DEX_FIGURE_NAMES = ["dex_fig3", "dex_fig4"]
 
     rule dex_tables:
@@ -102,6 +123,7 @@ if DEX:
             cells=DEX_CELLS,
             adapters=expand(f"{RESULTS}/dex/adapters/{{model}}.json", model=DEX["adapters"]["models"]),
             distributed=DIST_RUNS,
+            drafts=DRAFTS,
         output:
             expand(f"{RESULTS}/tables/dex/{{name}}.{{ext}}", name=DEX_TABLE_NAMES, ext=["csv", "md"]),
         params:
@@ -110,7 +132,7 @@ if DEX:
             f"{LOGS}/dex/tables.log",
         shell:
             "python -m impl dex-tables --cells {input.cells} --adapters {input.adapters} --distributed {input.distributed} "
-            "--out-dir {params.out} 2> {log}"
+            "--drafts {input.drafts} --out-dir {params.out} 2> {log}"
 
     rule dex_figures:
         conda:

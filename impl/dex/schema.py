@@ -52,6 +52,21 @@ class Adapters(Section):
     threads: PosInt = 2
 
 
+class Draft(Section):
+    """``dex.draft``: the small draft model of each dex model for the speculative arms (DEX Fig. 5;
+    :mod:`impl.models.draft`): a copy of the model keeping ``layers`` evenly spaced decoder layers,
+    distilled to it on ShareGPT by full-vocabulary KL (embeddings and LM head frozen)."""
+
+    layers: PosInt = Field(4, description="decoder layers kept (evenly spaced, first and last included)")
+    steps: PosInt = 60
+    batch_size: PosInt = 4
+    seq_len: Annotated[int, Field(ge=8)] = 128
+    lr: PosNum = 1e-4
+    position_fraction: Annotated[float, Field(gt=0, le=1)] = 0.25
+    max_chars: Annotated[int, Field(ge=10000)] = 1_000_000
+    threads: PosInt = 2
+
+
 class SelfSpec(Section):
     """``dex.baselines.self_spec``: the LayerSkip self-speculation grid."""
 
@@ -95,6 +110,7 @@ class DexSection(Section):
     decs: Decs = Field(default_factory=Decs)
     adapters: Adapters = Field(default_factory=Adapters)
     baselines: Baselines = Field(default_factory=Baselines)
+    draft: Draft | None = Field(None, description="draft model per dex model (rule train_draft); null = none")
 
 
 SECTION: dict[str, Any] = section_schema(DexSection, description=DexSection.__doc__.strip())

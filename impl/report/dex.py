@@ -252,6 +252,21 @@ def adapters_table(summaries: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def draft_table(summaries: list[dict]) -> pd.DataFrame:
+    """Per draft model (:mod:`impl.models.draft`): the target's depths it keeps, its parameters, the
+    distillation budget and time, and the held-out top-1 agreement / KL with the target before and
+    after (teacher-forced ShareGPT windows; top-1 agreement is a one-token draft's greedy acceptance)."""
+    out = []
+    for s in summaries:
+        out.append({"model": Path(s["model_dir"]).name, "depths": " ".join(map(str, s["depths"])),
+                    "draft_parameters": s["parameters_total"], "target_parameters": s["target_parameters"],
+                    "steps": s["steps"], "tokens_seen": s["tokens_seen"], "train_seconds": s["train_seconds"],
+                    "top1_before": s["before"]["top1_agreement"], "top1_after": s["after"]["top1_agreement"],
+                    "kl_before": s["before"]["kl"], "kl_after": s["after"]["kl"]})
+    return pd.DataFrame(out, columns=["model", "depths", "draft_parameters", "target_parameters", "steps", "tokens_seen",
+                                      "train_seconds", "top1_before", "top1_after", "kl_before", "kl_after"])
+
+
 def adapter_ead_table(rows: list[dict]) -> pd.DataFrame:
     """Per adapted model and workload: mean stable EAD (DEX Def. 1) of the base model and of the model
     with its inducing adapters, and their paired per-prompt difference (adapted - base, t-based 95%
@@ -320,9 +335,11 @@ def distributed_table(distributed_rows: list[dict]) -> pd.DataFrame:
 
 
 def dex_tables(rows: list[dict], adapter_summaries: list[dict],
-               distributed_rows: list[dict] | None = None) -> dict[str, pd.DataFrame]:
-    """All DEX tables from raw cell rows, adapter training summaries and the multi-process runs (whose
-    measured communication per round is added to the projected K-device time for the K measured)."""
+               distributed_rows: list[dict] | None = None, draft_summaries: list[dict] | None = None
+               ) -> dict[str, pd.DataFrame]:
+    """All DEX tables from raw cell rows, adapter training summaries, the multi-process runs (whose
+    measured communication per round is added to the projected K-device time for the K measured) and
+    the draft models' training summaries."""
     df = _frame(_decode_rows(rows))
     comm = comm_per_round(distributed_rows or [])
     df["comm_seconds"] = [r * comm[int(k)] if not np.isnan(k) and int(k) in comm and not np.isnan(r) else np.nan
@@ -331,11 +348,12 @@ def dex_tables(rows: list[dict], adapter_summaries: list[dict],
     return {"dex_arms": arms, "dex_claims": claims_table(df, arms), "dex_overhead": overhead_table(df),
             "dex_walltime_model": walltime_model_table(df, _decode_rows(rows)), "dex_tuning": tuning_table(rows),
             "dex_adapters": adapters_table(adapter_summaries), "dex_adapter_ead": adapter_ead_table(rows),
-            "dex_distributed": distributed_table(distributed_rows or [])}
+            "dex_distributed": distributed_table(distributed_rows or []),
+            "dex_draft": draft_table(draft_summaries or [])}
 
 
 __all__ = ["dex_tables", "arms_table", "claims_table", "overhead_table", "walltime_model_table", "tuning_table",
-           "adapters_table", "adapter_ead_table", "BASELINES"]
+           "adapters_table", "adapter_ead_table", "draft_table", "BASELINES"]
 
 
 def _md(df: pd.DataFrame) -> str:
@@ -408,6 +426,13 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
                   "Top-1 agreement of the depth's readout with the final depth and KL(final || depth) on "
                   "held-out ShareGPT windows, before and after KL self-distillation; parameters per adapter "
                   "= 4h^2 + 4h + 1.", "", _md(adapters), ""]
+    drafts = read("dex_draft") if (td / "dex_draft.csv").is_file() else pd.DataFrame()
+    if len(drafts):
+        lines += ["### Draft models for the speculative arms (Fig. 5)", "",
+                  "Each draft is the model's embeddings, the decoder layers at the listed depths, its final norm "
+                  "and LM head, with the kept layers and the norm distilled to the model (full-vocabulary KL on "
+                  "ShareGPT). Top-1 agreement with the model on held-out windows (teacher-forced) is the greedy "
+                  "acceptance rate of a one-token draft.", "", _md(drafts), ""]
     aead = read("dex_adapter_ead") if (td / "dex_adapter_ead.csv").is_file() else pd.DataFrame()
     if len(aead):
         held = int(aead["earlier"].astype(str).str.lower().eq("true").sum())

@@ -22,6 +22,7 @@ def lr_at(step: int, *, lr: float, warmup: int, steps: int, decay: Decay = "cosi
 
     Warm-up, ``step < warmup``: ``lr * (step + 1) / warmup``. Then, with ``t = (step - warmup) /
     max(1, steps - warmup)`` clipped to 1:
+
     * ``"cosine"``: ``lr * (floor + (1 - floor) * (1 + cos(pi * t)) / 2)`` (cosine decay to
       ``floor * lr``; the default floor 0.1 is the 10% of the tiny-LM, drafter and FlexiDepth loops);
     * ``"linear"``: ``lr * max(floor, (steps - step) / max(1, steps - warmup))`` (linear decay to

@@ -33,6 +33,7 @@ of ``max_k explorer_seconds[k] + comm_seconds`` is the critical path of explorer
 communication (App. B's expansion + communication components).
 
 Command line (rank 0 writes one JSONL row per prompt)::
+
     torchrun --nproc-per-node K -m impl.dex.distributed --model DIR --prompts FILE.jsonl \\
         --out OUT.jsonl --max-new-tokens N [--temperature T --seed S --decs --exploration-set 4,8,12]
 

@@ -71,7 +71,8 @@ def _lr(step: int, cfg: AdapterTrainConfig) -> float:
     return lr_at(step, lr=cfg.lr, warmup=warm, steps=cfg.steps, decay="linear", floor=0.0)
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
+def token_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
+    """``[len(starts), seq_len]`` int64 windows of a 1-D token array, starting at ``starts``."""
     idx = starts[:, None] + np.arange(seq_len)[None, :]
     return torch.from_numpy(tokens[idx].astype(np.int64))
 
@@ -95,7 +96,7 @@ def agreement(model, adapters: dict[int, InducingAdapter] | None, tokens: np.nda
     starts = np.linspace(0, len(tokens) - seq_len - 1, n_windows).astype(np.int64)
     out = {d: {"top1_agreement": 0.0, "kl": 0.0} for d in depths}
     for i in range(0, n_windows, 8):
-        x = _windows(tokens, starts[i:i + 8], seq_len)
+        x = token_windows(tokens, starts[i:i + 8], seq_len)
         kept, zl = _states(model, x, depths)
         pl = F.log_softmax(zl.float(), -1)
         for d in depths:
@@ -156,7 +157,7 @@ def _train(model, adapters, depths, train_tokens, val_tokens, cfg, progress):
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg)
         starts = rng.integers(0, len(train_tokens) - cfg.seq_len, size=cfg.batch_size)
-        x = _windows(train_tokens, starts, cfg.seq_len)
+        x = token_windows(train_tokens, starts, cfg.seq_len)
         kept, zl = _states(model, x, depths)
         mask = torch.rand(x.shape, generator=gen) < cfg.position_fraction
         if not mask.any():
@@ -217,4 +218,4 @@ def sharegpt_tokens(data_dir: str | Path, tokenizer, max_chars: int, val_fractio
     return pack(docs[n_val:]), pack(docs[:n_val])
 
 
-__all__ = ["AdapterTrainConfig", "train_adapters", "agreement", "sharegpt_tokens"]
+__all__ = ["AdapterTrainConfig", "train_adapters", "agreement", "sharegpt_tokens", "token_windows"]

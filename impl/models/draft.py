@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..schedule import lr_at
+from .adapter_train import token_windows
 from .depth import decoder_layers, num_layers
 
 log = logging.getLogger("impl.models.draft")
@@ -122,12 +123,6 @@ class DraftTrainConfig:
     seed: int = 1234
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
-    """``[len(starts), seq_len]`` int64 windows of a 1-D token array."""
-    idx = starts[:, None] + np.arange(seq_len)[None, :]
-    return torch.from_numpy(tokens[idx].astype(np.int64))
-
-
 @torch.no_grad()
 def top1_agreement(target, draft, tokens: np.ndarray, seq_len: int, n_windows: int) -> dict[str, float]:
     """On evenly spaced windows of ``tokens``: the share of positions where the draft's argmax equals
@@ -136,7 +131,7 @@ def top1_agreement(target, draft, tokens: np.ndarray, seq_len: int, n_windows: i
     starts = np.linspace(0, len(tokens) - seq_len - 1, n_windows).astype(np.int64)
     agree = kl = 0.0
     for i in range(0, n_windows, 8):
-        x = _windows(tokens, starts[i:i + 8], seq_len)
+        x = token_windows(tokens, starts[i:i + 8], seq_len)
         zt = target(x).logits.float()  # [B, S, V]
         zd = draft(x).logits.float()
         agree += (zd.argmax(-1) == zt.argmax(-1)).float().sum().item()
@@ -186,7 +181,7 @@ def train_draft(target, draft, train_tokens: np.ndarray, val_tokens: np.ndarray,
         lr = lr_at(step, lr=cfg.lr, warmup=warm, steps=cfg.steps, decay="linear", floor=0.0)
         for g in opt.param_groups:
             g["lr"] = lr
-        x = _windows(train_tokens, rng.integers(0, len(train_tokens) - cfg.seq_len, size=cfg.batch_size),
+        x = token_windows(train_tokens, rng.integers(0, len(train_tokens) - cfg.seq_len, size=cfg.batch_size),
                      cfg.seq_len)  # [B, S]
         mask = torch.rand(x.shape, generator=gen) < cfg.position_fraction  # [B, S] bool
         if not mask.any():

@@ -183,6 +183,7 @@ def _batches(r: dict) -> list[tuple[int, float]]:
 
 def walltime_model_table(df: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
     """App. B walltime model, calibrated per (variant, suite):
+
     S_wall = T (L + delta_AR) / sum_t (ceil(EAD(t))_X + delta_X(t)), everything in layer units.
     The per-layer cost c (s/layer) is the least-squares slope of explorer batch time on stage width
     (layers) over every batch of the cell's greedy DEX arms (the intercept is the fixed per-batch

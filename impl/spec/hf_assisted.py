@@ -19,14 +19,12 @@ transformers 5.24 ``generate(assistant_model=...)``, ``GenerationConfig.num_assi
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
 
 from ..models.depth import decoder_layers, num_layers
-from .hf_early_exit import own_draft_call_quiet
+from .hf_generate import count_passes, draft_settings, greedy_generate
 from .result import DecodeResult
 
 
@@ -85,46 +83,11 @@ def hf_assisted_decode(model, assistant, input_ids: list[int], max_new_tokens: i
         ValueError: see :func:`check_hf_assisted`; an empty prompt.
     """
     check_hf_assisted(model, assistant, num_assistant_tokens)
-    if not input_ids:
-        raise ValueError("empty prompt")
     L, L_draft = num_layers(model), num_layers(assistant)
-    counts = {"target": 0, "draft": 0}
-
-    def count(key):
-        def hook(_mod, _args):
-            counts[key] += 1
-        return hook
-
-    handles = [decoder_layers(model)[0].register_forward_pre_hook(count("target")),
-               decoder_layers(assistant)[0].register_forward_pre_hook(count("draft"))]
-    device = next(model.parameters()).device
-    x = torch.tensor([input_ids], dtype=torch.long, device=device)  # [1, P] int64
-    # eos None: no stop token at all (eos_token_id=None would fall back to the model's)
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
-                           eos_token_id=eos_token_id if eos_token_id is not None else [],
-                           pad_token_id=eos_token_id if eos_token_id is not None else 0)
-    # transformers reads the draft settings from the assistant's generation config (defaults: 20
-    # tokens, heuristic schedule, stop below confidence 0.4): a constant draft length, no confidence
-    # stop, restored afterwards
-    draft = {"num_assistant_tokens": num_assistant_tokens, "num_assistant_tokens_schedule": "constant",
-             "assistant_confidence_threshold": 0.0}
-    saved = {k: getattr(assistant.generation_config, k, None) for k in draft}
-    try:
-        for k, v in draft.items():
-            setattr(assistant.generation_config, k, v)
-        with own_draft_call_quiet():
-            t0 = time.perf_counter()
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen,
-                                 assistant_model=assistant)  # [1, P + n]
-            seconds = time.perf_counter() - t0
-    finally:
-        for k, v in saved.items():
-            setattr(assistant.generation_config, k, v)
-        for h in handles:
-            h.remove()
-    tokens = [int(t) for t in out[0, len(input_ids):]]
-    stopped = eos_token_id is not None and bool(tokens) and tokens[-1] == eos_token_id
-    return HFAssistedResult(tokens=tokens, stopped_at_eos=stopped, target_passes=counts["target"],
-                            draft_passes=counts["draft"], critical_layers=L * counts["target"],
-                            draft_layers=L_draft * counts["draft"], seconds=seconds)
-
+    layers = {"target": decoder_layers(model)[0], "draft": decoder_layers(assistant)[0]}
+    with draft_settings(assistant, num_assistant_tokens), count_passes(layers) as n:
+        tokens, stopped, seconds = greedy_generate(model, input_ids, max_new_tokens, eos_token_id,
+                                                   assistant_model=assistant)
+    return HFAssistedResult(tokens=tokens, stopped_at_eos=stopped, target_passes=n["target"],
+                            draft_passes=n["draft"], critical_layers=L * n["target"],
+                            draft_layers=L_draft * n["draft"], seconds=seconds)

@@ -14,16 +14,12 @@ transformers 5.24 ``GenerationConfig.assistant_early_exit``.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
-from transformers import GenerationConfig
 
 from ..models.depth import decoder_layers, num_layers
+from .hf_generate import count_passes, draft_settings, greedy_generate
 from .result import DecodeResult
 
 
@@ -60,33 +56,6 @@ def check_hf_early_exit_params(L: int, exit_layer: int, num_speculations: int) -
         raise ValueError(f"hf_early_exit: num_speculations={num_speculations} must be >= 1")
 
 
-class _OwnDraftCallWarning(logging.Filter):
-    """Drops the one deprecation warning transformers raises against its own draft call: its
-    candidate generator passes ``generation_config`` together with ``min_new_tokens`` /
-    ``max_new_tokens`` to the assistant's ``generate`` (transformers 5.24,
-    ``candidate_generator.AssistedCandidateGenerator._prepare_generation_args``); this arm passes
-    only a ``generation_config``."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not ("Passing `generation_config` together with generation-related" in msg and "new_tokens" in msg)
-
-
-_GENERATE_LOGGER = logging.getLogger("transformers.generation.utils")
-
-
-@contextlib.contextmanager
-def own_draft_call_quiet() -> Iterator[None]:
-    """While inside, transformers' warning against its own draft call (:class:`_OwnDraftCallWarning`)
-    is dropped; every other message of ``generate`` still gets through."""
-    quiet = _OwnDraftCallWarning()
-    _GENERATE_LOGGER.addFilter(quiet)
-    try:
-        yield
-    finally:
-        _GENERATE_LOGGER.removeFilter(quiet)
-
-
 @torch.no_grad()
 def hf_early_exit_decode(model, input_ids: list[int], max_new_tokens: int, *, exit_layer: int,
                          num_speculations: int, eos_token_id: int | None) -> HFEarlyExitResult:
@@ -106,46 +75,12 @@ def hf_early_exit_decode(model, input_ids: list[int], max_new_tokens: int, *, ex
 
     L = num_layers(model)
     check_hf_early_exit_params(L, exit_layer, num_speculations)
-    if not input_ids:
-        raise ValueError("empty prompt")
     layers = decoder_layers(model)
-    counts = {"all": 0, "deep": 0}
-
-    def count(key):
-        def hook(_mod, _args):
-            counts[key] += 1
-        return hook
-
-    handles = [layers[0].register_forward_pre_hook(count("all")),
-               layers[exit_layer].register_forward_pre_hook(count("deep"))]
-    device = next(model.parameters()).device
-    x = torch.tensor([input_ids], dtype=torch.long, device=device)
-    # eos None: no stop token at all (eos_token_id=None in an explicit config would fall back to the
-    # model's), so the budget is reached and the ids compare with AR run to the same length
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, assistant_early_exit=exit_layer,
-                           eos_token_id=eos_token_id if eos_token_id is not None else [],
-                           pad_token_id=eos_token_id if eos_token_id is not None else 0)
-    # transformers reads the draft settings from the *assistant's* generation config (here the model
-    # itself; defaults: 20 tokens, stop drafting below confidence 0.4): a constant draft length of
-    # num_speculations and no confidence stop, as the project's LSSD, restored afterwards
-    draft = {"num_assistant_tokens": num_speculations, "num_assistant_tokens_schedule": "constant",
-             "assistant_confidence_threshold": 0.0}
-    saved = {k: getattr(model.generation_config, k, None) for k in draft}
-    try:
-        for k, v in draft.items():
-            setattr(model.generation_config, k, v)
-        with own_draft_call_quiet():
-            t0 = time.perf_counter()
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen)
-            seconds = time.perf_counter() - t0
-    finally:
-        for k, v in saved.items():
-            setattr(model.generation_config, k, v)
-        for h in handles:
-            h.remove()
-    tokens = [int(t) for t in out[0, len(input_ids):]]
-    stopped = eos_token_id is not None and bool(tokens) and tokens[-1] == eos_token_id
-    verify = counts["deep"]
-    draft = counts["all"] - verify
+    # the target drafts (its first exit_layer layers): it holds the draft settings
+    with draft_settings(model, num_speculations), count_passes({"all": layers[0], "deep": layers[exit_layer]}) as n:
+        tokens, stopped, seconds = greedy_generate(model, input_ids, max_new_tokens, eos_token_id,
+                                                   assistant_early_exit=exit_layer)
+    verify = n["deep"]
+    draft = n["all"] - verify
     return HFEarlyExitResult(tokens=tokens, stopped_at_eos=stopped, draft_passes=draft, verify_passes=verify,
                              critical_layers=exit_layer * draft + L * verify, seconds=seconds)

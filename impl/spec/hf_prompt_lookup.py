@@ -16,13 +16,12 @@ Source: Saxena, "Prompt Lookup Decoding" (2023); transformers 5.24 ``GenerationC
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
 
 from ..models.depth import decoder_layers, num_layers
+from .hf_generate import count_passes, greedy_generate
 from .result import DecodeResult
 
 
@@ -69,30 +68,10 @@ def hf_prompt_lookup_decode(model, input_ids: list[int], max_new_tokens: int, *,
         ValueError: bad parameters (see :func:`check_hf_prompt_lookup_params`), empty prompt.
     """
     check_hf_prompt_lookup_params(num_tokens, max_matching_ngram_size)
-    if not input_ids:
-        raise ValueError("empty prompt")
     L = num_layers(model)
-    passes = [0]
-
-    def count(_mod, _args):
-        passes[0] += 1
-
-    handle = decoder_layers(model)[0].register_forward_pre_hook(count)
-    device = next(model.parameters()).device
-    x = torch.tensor([input_ids], dtype=torch.long, device=device)  # [1, P] int64
-    # eos None: no stop token at all (eos_token_id=None would fall back to the model's), so the budget
-    # is reached and the ids compare with AR run to the same length
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=num_tokens,
-                           max_matching_ngram_size=max_matching_ngram_size,
-                           eos_token_id=eos_token_id if eos_token_id is not None else [],
-                           pad_token_id=eos_token_id if eos_token_id is not None else 0)
-    try:
-        t0 = time.perf_counter()
-        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen)  # [1, P + n]
-        seconds = time.perf_counter() - t0
-    finally:
-        handle.remove()
-    tokens = [int(t) for t in out[0, len(input_ids):]]
-    stopped = eos_token_id is not None and bool(tokens) and tokens[-1] == eos_token_id
-    return HFPromptLookupResult(tokens=tokens, stopped_at_eos=stopped, verify_passes=passes[0],
-                                critical_layers=L * passes[0], seconds=seconds)
+    with count_passes({"all": decoder_layers(model)[0]}) as n:
+        tokens, stopped, seconds = greedy_generate(model, input_ids, max_new_tokens, eos_token_id,
+                                                   prompt_lookup_num_tokens=num_tokens,
+                                                   max_matching_ngram_size=max_matching_ngram_size)
+    return HFPromptLookupResult(tokens=tokens, stopped_at_eos=stopped, verify_passes=n["all"],
+                                critical_layers=L * n["all"], seconds=seconds)

@@ -3,6 +3,7 @@ al. 2025), its checkpoint format and its stage-1 training.
 
 **The policy.** At every routed layer l a router maps the hidden state entering the layer, ``h``
 (``[n, H]``), to a weight ``w in (0, 1)``::
+
     z = RMSNorm_in(h)                        # the router's own input norm (weight copied from the
                                              # layer's input_layernorm when built from a model)
     z = RMSNorm_mid(tanh(enc(z)))            # bottleneck encoder H -> H/16, tanh, RMSNorm
@@ -489,6 +490,7 @@ def flexidepth_forward(model, skipper: FlexiDepthSkipper | None, input_ids: torc
     layer every row computes the attention output (causal over all rows: Project-Only rows' K/V are
     their own layer's projections of their input, as in inference) and the MLP contribution, the
     router weight ``w``, the hard decision ``run = w > threshold`` (no gradient), and::
+
         out = where(run, m + w * mlp, h + (1 - w) * adapter(h)),   m = h + attn
 
     which is exactly the routed inference computation of :class:`FlexiDepthSkipper` (tested against

@@ -546,6 +546,7 @@ def profile_routed_cost(
     packed plain-PyTorch forwards shaped like the continuous-batching engine's batches (several
     requests packed in one row dimension, block-diagonal additive mask as the engine's sdpa/eager
     path uses):
+
     - ``t_dense_s``: dense mode (the unmodified layers, router not consulted);
     - ``t_routed_zero_s``: routed mode where the skipper's router runs but every row RUNs through the
       cohort path (fast path off): routed mode's cost with zero skipped rows;

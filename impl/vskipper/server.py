@@ -3,6 +3,7 @@
 (:mod:`impl.vskipper.api_server`: FastAPI + uvicorn; routes, fields and responses are documented there).
 
 ::
+
     python -m impl.vskipper.server --model DIR --arm hybrid --skipper randomskip:r=0.5,d=0.5 --port 0
 
 prints one JSON line ``{"listening": URL, "port": N, ...}`` once the engine is warm (with the KV-cache

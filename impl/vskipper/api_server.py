@@ -564,6 +564,24 @@ async def _stream(engine: CompletionEngine, s: Sampling, chat: bool) -> Response
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+class _AnnouncedBodyLimit:
+    """Outermost ASGI wrapper: a request whose ``Content-Length`` announces more than ``limit`` bytes gets
+    the server's JSON 413 unread. (FastAPI's ``max_body_size`` counts chunked bodies as they arrive, but
+    answers an announced oversize body with Starlette's plain-text 413, replacing any response sent from
+    inside the app, so this case is answered before it.)"""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, int(limit)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            for k, v in scope.get("headers", ()):
+                if k == b"content-length" and v.isdigit() and int(v) > self.limit:
+                    await _error(413, f"request body larger than {self.limit} bytes")(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
 async def _until_disconnect(request: Request) -> None:
     """Return when the client goes away (the ASGI ``http.disconnect`` message; the body is read by then)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -702,7 +720,7 @@ class CompletionServer:
         self.port = int(self.port)
         self.url = f"http://{'[' + self.host + ']' if family == socket.AF_INET6 else self.host}:{self.port}"
         # open-loop load: a large backlog and no client-side concurrency cap; no access log per request
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+        self._server = uvicorn.Server(uvicorn.Config(_AnnouncedBodyLimit(self.app, _MAX_BODY), log_level="warning", access_log=False, lifespan="off",
                                                      backlog=2048, timeout_keep_alive=30))
         self._thread: threading.Thread | None = None
         self._closed = False

@@ -357,13 +357,16 @@ def cmd_decode(args) -> None:
 
 
 def cmd_dex_cell(args) -> None:
-    from .dex.cell import dex_arms, run_cell, tune_baselines
+    from .dex.cell import dex_arms, run_cell, speculative_arms, tune_baselines
     from .dex.schema import dex_section
     from .models.depth import num_layers
     from .provenance import write_jsonl
 
     cfg = config_from_args(args)
     d = dex_section(cfg)
+    if d.speculative.assisted is not None and not args.adapters and not args.draft:
+        raise SystemExit("error: dex.speculative.assisted is on: give the model's draft model with --draft DIR "
+                         "(rule train_draft's output)")
     set_threads(cfg)
     model = load_for(cfg, args.model_dir)
     adapters = None
@@ -384,6 +387,8 @@ def cmd_dex_cell(args) -> None:
     if not adapters and tune:  # baselines run on the plain model; the adapter variant adds DEX arms only
         extra, tuning = tune_baselines(model, tune, d, L, d.max_new_tokens, eos)
         arms += extra
+    if not adapters:  # Fig. 5's speculative arms, on the plain model as the baselines
+        arms += speculative_arms(d, args.draft)
     rows = run_cell(model, prompts, arms, max_new_tokens=d.max_new_tokens, eos=eos, seed=core_config(cfg).seed,
                     adapters=adapters, progress=not args.quiet)
     prov = run_provenance(cfg)
@@ -420,6 +425,9 @@ def cmd_dex_figures(args) -> None:
     arms = pd.read_csv(Path(args.tables_dir) / "dex_arms.csv")
     F.dex_fig3(arms, Path(args.out_dir) / "dex_fig3.png")
     F.dex_fig4(arms, Path(args.out_dir) / "dex_fig4.png")
+    f5 = Path(args.tables_dir) / "dex_fig5.csv"
+    F.dex_fig5(pd.read_csv(f5) if f5.is_file() and f5.stat().st_size > 1 else pd.DataFrame(),
+               Path(args.out_dir) / "dex_fig5.png")
 
 
 def cmd_tables(args) -> None:
@@ -608,6 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--variant", required=True, help="name recorded in the rows (model, or model+ad)")
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--adapters", help="inducing adapter directory (DEX arms only)")
+    sp.add_argument("--draft", help="the model's draft model directory (train-draft), for dex.speculative.assisted")
     sp.add_argument("--prompts", required=True, help="token-id suite: first dex.n_prompts evaluated, the next "
                     "dex.baselines.tune_prompts used for tuning")
     sp.add_argument("--out", required=True)

@@ -24,6 +24,7 @@ from .spec.hf_early_exit import check_hf_early_exit_params, hf_early_exit_decode
 from .models.load import load_model
 from .spec.hf_assisted import check_hf_assisted, hf_assisted_decode
 from .spec.hf_prompt_lookup import check_hf_prompt_lookup_params, hf_prompt_lookup_decode
+from .spec.lookahead import check_lookahead_params, lookahead_decode
 from .spec.sampling import DecodeRule
 from .spec.self_spec import check_self_spec_params, self_spec_decode
 
@@ -31,6 +32,7 @@ BASELINE_PARAMS = {
     "self_spec": ("exit_layer", "num_speculations"),
     "adadecode": ("shortcut_layers", "threshold", "num_speculations"),
     "dynamic_exit": ("exit_layers", "num_speculations", "confidence_threshold"),
+    "lookahead": ("window", "ngram", "max_candidates", "seed"),
 }
 
 
@@ -76,6 +78,9 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
     ``max_matching_ngram_size``, default 2; :mod:`impl.spec.hf_prompt_lookup`); ``hf_assisted``
     (transformers' assisted decoding with a draft model over the same vocabulary, greedy only:
     ``assistant`` (a model directory), ``num_assistant_tokens``; :mod:`impl.spec.hf_assisted`).
+    Draft-free speculation: ``lookahead`` (Lookahead decoding, Fu et al. 2024: ``window`` W, ``ngram`` N,
+    ``max_candidates`` G, optional ``seed`` of the window's start; greedy or sampled;
+    :mod:`impl.spec.lookahead`).
 
     Params (DEX): ``exploration_set`` (tuple of depths), ``decs`` (bool), ``single_exit`` (bool),
     ``dedupe`` (bool); ``adapters``: inducing adapters by depth (DEX App. C.2), the ones at the
@@ -243,6 +248,15 @@ def _hf_assisted(model, rule: DecodeRule, params: dict, adapters, L: int):
                 "critical_layers_total": r.critical_layers, "target_passes": r.target_passes,
                 "draft_passes": r.draft_passes, "draft_layers_total": r.draft_layers}
     return run_assisted
+
+
+@METHODS.register("lookahead")
+def _lookahead(model, rule: DecodeRule, params: dict, adapters, L: int):
+    _check_names("lookahead", params, BASELINE_PARAMS["lookahead"], ("window", "ngram", "max_candidates"))
+    W, N, G = check_lookahead_params(params["window"], params["ngram"], params["max_candidates"])
+    seed = params.get("seed", 0)
+    return _spec_row(lambda ids, n, eos: lookahead_decode(model, ids, n, window=W, ngram=N, max_candidates=G,
+                                                          rule=rule, eos_token_id=eos, seed=seed))
 
 
 def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: dict, rule: DecodeRule,

@@ -143,3 +143,53 @@ def test_projected_speedup_counts_the_prefill():
     t = arms_table(_frame(rows)).set_index("arm")
     assert t.loc["dex-1/2", "projected_speedup"] == pytest.approx(3.0 / 1.5)
     assert t.loc["dex-1/2", "wall_speedup"] == pytest.approx(3.0 / 4.0)
+
+
+def test_speculative_arms_run_in_the_cell_and_fill_the_fig5_table(tiny_model, tmp_path):
+    """dex.speculative adds Fig. 5's arms (prompt lookup, Lookahead, assisted decoding with a draft
+    directory) to a cell: each equals AR, and the Fig. 5 table holds AR, the best DEX arm and each of
+    them with tokens/s and a per-prompt speedup interval."""
+    from impl.dex.cell import speculative_arms
+    from impl.report.figures import dex_fig5
+
+    draft = tmp_path / "draft"
+    tiny_model.save_pretrained(draft)  # the model itself as its draft: every draft is accepted
+    d = _cfg(explorers=[4], single_exit=False, decs={"explorers": [], "temperatures": [0.0]},
+             speculative={"prompt_lookup": {"num_tokens": 3}, "lookahead": {"window": 3, "ngram": 3},
+                          "assisted": {"num_assistant_tokens": 2}})
+    spec = speculative_arms(d, str(draft))
+    assert [(a.name, a.method, a.figure) for a in spec] == [
+        ("prompt_lookup", "hf_prompt_lookup", "fig5"), ("lookahead", "lookahead", "fig5"),
+        ("assisted", "hf_assisted", "fig5")]
+    with pytest.raises(ValueError, match="draft"):
+        speculative_arms(d, None)
+    assert speculative_arms(_cfg()) == []  # off by default
+    prompts = [{"id": f"p{i}", "suite": "gsm8k", "input_ids": ids} for i, ids in
+               enumerate([[5, 17, 42, 8], [1, 2, 3], [9, 9, 4, 4, 9, 9]])]
+    rows = run_cell(tiny_model, prompts, dex_arms(d, 12) + spec, max_new_tokens=10, eos=None, seed=0)
+    assert all(r["ar_match"] for r in rows if r["figure"] == "fig5") and sum(r["figure"] == "fig5" for r in rows) == 9
+    for r in rows:
+        r.update(kind="decode", variant="m", num_layers=12)
+    f5 = dex_tables(rows, [])["dex_fig5"]
+    assert list(f5["arm"]) == ["ar", "dex-1/4", "prompt_lookup", "lookahead", "assisted"]
+    assert f5["ar_match_all"].all() and (f5["tokens_per_s"] > 0).all() and f5["n_prompts"].eq(3).all()
+    ar = f5[f5.arm == "ar"].iloc[0]
+    assert ar["wall_speedup"] == 1.0 and ar["speedup_mean"] == pytest.approx(1.0)
+    assert (f5["ci_low"] <= f5["speedup_mean"]).all() and (f5["speedup_mean"] <= f5["ci_high"]).all()
+    dex_fig5(f5, tmp_path / "f5.png")
+    assert (tmp_path / "f5.png").stat().st_size > 1000
+    # without speculative arms there is no Fig. 5 table, and the figure says so
+    plain = [r for r in rows if r["figure"] != "fig5"]
+    assert dex_tables(plain, [])["dex_fig5"].empty
+    import pandas as pd
+
+    dex_fig5(pd.DataFrame(), tmp_path / "none.png")
+    assert (tmp_path / "none.png").stat().st_size > 500
+
+
+def test_assisted_arm_needs_a_draft_in_the_config():
+    from impl.config import ConfigError
+    from conftest import smoke_config
+
+    with pytest.raises((ConfigError, SystemExit), match="dex.speculative.assisted"):
+        smoke_config(dex={"draft": None, "speculative": {"assisted": {"num_assistant_tokens": 2}}})

@@ -58,6 +58,16 @@ def test_smoke_dex_section(smoke_run):
     assert ((drafts["top1_after"] >= 0) & (drafts["top1_after"] <= 1)).all() and "Draft models for the speculative" in report
     draft_cfg = json.loads((smoke_run / "models" / "tiny-std-draft" / "config.json").read_text())
     assert draft_cfg["num_hidden_layers"] == 3 and draft_cfg["draft_of_depths"] == [1, 6, 12]
+    # Fig. 5: the speculative arms (dex.speculative) beside AR, the best DEX arm and the baselines, plain models only
+    fig5 = pd.read_csv(smoke_run / "results" / "tables" / "dex" / "dex_fig5.csv")
+    assert set(fig5["variant"]) == {"tiny-ls", "tiny-std"}
+    for _, cell in fig5.groupby(["variant", "suite"]):
+        assert {"ar", "prompt_lookup", "lookahead", "assisted", "self_spec"} <= set(cell["arm"])
+        assert cell["arm"].str.startswith("dex").sum() == 1
+    assert fig5["ar_match_all"].all() and (fig5["tokens_per_s"] > 0).all()
+    assert (fig5.loc[fig5.arm == "ar", "wall_speedup"] == 1.0).all()
+    assert re.search(r"Fig. 5 shape\)\n\n- every arm below equals AR token for token on every prompt: \*\*PASS\*\*", report)
+    assert (smoke_run / "figures" / "dex_fig5.png").stat().st_size > 1000
 
 
 @pytest.mark.slow

@@ -62,11 +62,13 @@ def model_path(wildcards):
 
 def dex_cell_inputs(w):
     """Inputs of a DEX cell; an adapted variant (impl.dex.cell.variant_name) adds the model's inducing
-    adapters (rule train_adapters)."""
+    adapters (rule train_adapters), a plain one its draft model when dex.speculative.assisted is on."""
     base, adapted = split_variant(w.variant)
     d = {"prompts": f"{RESULTS}/workloads/{base}/{w.suite}.jsonl", "model": str(model_dir(CFG, base))}
     if adapted:
         d["adapters"] = f"{MODELS}/adapters/{base}"
+    elif (DEX.get("speculative") or {}).get("assisted") is not None:
+        d["draft"] = f"{MODELS}/{base}-draft"  # Fig. 5's assisted arm decodes with it (rule train_draft)
     return d
 
 

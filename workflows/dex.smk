@@ -39,6 +39,7 @@ if DEX:
         params:
             cfg=EFFECTIVE_CONFIG,
             adapters=lambda w, input: f"--adapters {input.adapters}" if "adapters" in input.keys() else "",
+            draft=lambda w, input: f"--draft {input.draft}" if "draft" in input.keys() else "",
             sig=lambda w: sig("seed", "threads", "device", "dtype",
                               dex={k: v for k, v in DEX.items()
                                    if k not in ("models", "workloads", "adapters", "distributed", "draft")}),
@@ -47,7 +48,7 @@ if DEX:
             f"{LOGS}/dex/{{variant}}/{{suite}}.log",
         shell:
             "python -m impl dex-cell --config-json @{params.cfg} --quiet --variant {wildcards.variant} "
-            "--model-dir {input.model} {params.adapters} --prompts {input.prompts} --out {output} 2> {log}"
+            "--model-dir {input.model} {params.adapters} {params.draft} --prompts {input.prompts} --out {output} 2> {log}"
 
     DIST = DEX["distributed"]
     DIST_MODEL, DIST_SUITE = DEX["models"][0], DEX["workloads"][0]
@@ -112,9 +113,9 @@ if DEX:
             "python -m impl train-draft --config-json @{params.cfg} --quiet --model-dir {input.model} "
             "--out {output.draft} --summary {output.summary} 2> {log}"
 
-    DEX_TABLE_NAMES = ["dex_arms", "dex_claims", "dex_overhead", "dex_walltime_model", "dex_tuning", "dex_adapters",
+    DEX_TABLE_NAMES = ["dex_arms", "dex_claims", "dex_fig5", "dex_overhead", "dex_walltime_model", "dex_tuning", "dex_adapters",
                        "dex_adapter_ead", "dex_distributed", "dex_draft"]
-    DEX_FIGURE_NAMES = ["dex_fig3", "dex_fig4"]
+    DEX_FIGURE_NAMES = ["dex_fig3", "dex_fig4", "dex_fig5"]
 
     rule dex_tables:
         conda:

@@ -111,6 +111,28 @@ def dex_arms(dex: DexSection, L: int) -> list[Arm]:
     return arms
 
 
+def speculative_arms(dex: DexSection, draft_dir: str | None = None) -> list[Arm]:
+    """The speculative arms of Fig. 5 that ``dex.speculative`` turns on, greedy (figure ``fig5``):
+    ``prompt_lookup`` (transformers' prompt-lookup decoding), ``lookahead`` (Lookahead decoding) and
+    ``assisted`` (transformers' assisted decoding with the model's draft model at ``draft_dir``).
+
+    Raises:
+        ValueError: ``assisted`` is on but no ``draft_dir`` is given.
+    """
+    sp = dex.speculative
+    arms = []
+    if sp.prompt_lookup is not None:
+        arms.append(Arm("prompt_lookup", "hf_prompt_lookup", sp.prompt_lookup.model_dump(), 0.0, "fig5"))
+    if sp.lookahead is not None:
+        arms.append(Arm("lookahead", "lookahead", sp.lookahead.model_dump(), 0.0, "fig5"))
+    if sp.assisted is not None:
+        if not draft_dir:
+            raise ValueError("dex.speculative.assisted needs the draft model's directory (rule train_draft's output)")
+        arms.append(Arm("assisted", "hf_assisted", {"assistant": str(draft_dir), **sp.assisted.model_dump()},
+                        0.0, "fig5"))
+    return arms
+
+
 def baseline_grid(dex: DexSection, L: int) -> dict[str, list[dict[str, Any]]]:
     """The tuning grid of each depth-selection baseline (DEX App. D, scaled to depth L)."""
     b = dex.baselines
@@ -263,5 +285,5 @@ def run_cell(model, prompts: list[dict], arms: list[Arm], *, max_new_tokens: int
     return rows
 
 
-__all__ = ["ADAPTED_SUFFIX", "variant_name", "split_variant", "Arm", "exploration_sets", "adapter_depths", "set_name", "dex_arms", "baseline_grid", "depth_speedup",
+__all__ = ["ADAPTED_SUFFIX", "variant_name", "split_variant", "Arm", "exploration_sets", "adapter_depths", "set_name", "dex_arms", "speculative_arms", "baseline_grid", "depth_speedup",
            "tune_baselines", "predicted_match_index", "run_cell"]

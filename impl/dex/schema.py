@@ -15,7 +15,8 @@ from pydantic import Field
 from ..sections import Section, section_defaults, section_schema, typed_section
 from ..workloads.suites import SUITES
 
-__all__ = ["dex_section", "DexSection", "Distributed", "Decs", "Adapters", "Baselines", "DEFAULTS", "SECTION", "check"]
+__all__ = ["dex_section", "DexSection", "Distributed", "Decs", "Adapters", "Baselines", "Draft", "Speculative",
+           "PromptLookup", "LookaheadArm", "AssistedArm", "DEFAULTS", "SECTION", "check"]
 
 PosInt = Annotated[int, Field(ge=1)]
 PosNum = Annotated[float, Field(gt=0)]
@@ -93,6 +94,37 @@ class Baselines(Section):
                                                   "parameters, as a library reference arm")
 
 
+class PromptLookup(Section):
+    """``dex.speculative.prompt_lookup``: transformers' prompt-lookup decoding (method ``hf_prompt_lookup``)."""
+
+    num_tokens: PosInt = Field(4, description="most draft tokens per verification")
+    max_matching_ngram_size: PosInt = Field(2, description="longest n-gram looked up in the context")
+
+
+class LookaheadArm(Section):
+    """``dex.speculative.lookahead``: Lookahead decoding (method ``lookahead``; Fu et al. 2024)."""
+
+    window: PosInt = Field(5, description="W, lookahead positions per level")
+    ngram: Annotated[int, Field(ge=2)] = Field(4, description="N, the n-gram size (N - 1 window levels)")
+    max_candidates: PosInt = Field(5, description="G, n-grams verified per step")
+
+
+class AssistedArm(Section):
+    """``dex.speculative.assisted``: transformers' assisted decoding with the model's ``dex.draft`` model
+    (method ``hf_assisted``)."""
+
+    num_assistant_tokens: PosInt = Field(4, description="draft tokens per verification")
+
+
+class Speculative(Section):
+    """``dex.speculative``: the speculative arms of Fig. 5, run greedy in every DEX cell of a plain
+    (not adapted) model beside AR, DEX and the baselines; null = that arm is off."""
+
+    prompt_lookup: PromptLookup | None = None
+    lookahead: LookaheadArm | None = None
+    assisted: AssistedArm | None = Field(None, description="needs dex.draft (the draft model)")
+
+
 class DexSection(Section):
     """DEX experiments (Fig. 3, Fig. 4, Table 1); absent = no DEX rules."""
 
@@ -111,6 +143,7 @@ class DexSection(Section):
     adapters: Adapters = Field(default_factory=Adapters)
     baselines: Baselines = Field(default_factory=Baselines)
     draft: Draft | None = Field(None, description="draft model per dex model (rule train_draft); null = none")
+    speculative: Speculative = Field(default_factory=Speculative)
 
 
 SECTION: dict[str, Any] = section_schema(DexSection, description=DexSection.__doc__.strip())
@@ -143,6 +176,8 @@ def check(out: dict[str, Any]) -> None:
     for i, m in enumerate(d["adapters"]["models"]):
         if m not in d["models"]:
             raise ConfigError(f"config: 'dex.adapters.models[{i}]' names '{m}', which is not in 'dex.models'")
+    if (d.get("speculative") or {}).get("assisted") is not None and d.get("draft") is None:
+        raise ConfigError("config: 'dex.speculative.assisted' needs 'dex.draft' (the draft model it decodes with)")
     for i, w in enumerate(d["workloads"]):
         if w not in out["workloads"]:
             raise ConfigError(f"config: 'dex.workloads[{i}]' names '{w}', which is not a key of 'workloads'")

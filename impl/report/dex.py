@@ -27,7 +27,7 @@ import pandas as pd
 from scipy.optimize import lsq_linear
 
 from ..config import split_variant
-from ..stats import paired_difference
+from ..stats import one_sample, paired_difference
 
 BASELINES = ("self_spec", "adadecode", "dynamic_exit")
 
@@ -152,6 +152,54 @@ def claims_table(df: pd.DataFrame, arms: pd.DataFrame) -> pd.DataFrame:
                             "arm_a": f"{base}:{arm}", "arm_b": f"{v}:{arm}", "n": r.n, "mean_a": float(x[common].mean()),
                             "mean_b": float(y[common].mean()), "diff": r.mean, "ci_low": r.ci_low, "ci_high": r.ci_high,
                             "resolved": r.resolved, "holds": bool(r.resolved and r.mean > 0)})
+    return pd.DataFrame(out)
+
+
+#: the speculative arms of Fig. 5 (``dex.speculative``) and the library early-exit reference
+FIG5_KINDS = {"prompt_lookup": "speculative (no draft model)", "lookahead": "speculative (no draft model)",
+              "assisted": "speculative (draft model)", "hf_early_exit": "library early exit"}
+
+
+def fig5_table(df: pd.DataFrame, arms: pd.DataFrame) -> pd.DataFrame:
+    """Fig. 5 shape: end-to-end greedy throughput per (variant, workload) of AR, the best DEX arm (by
+    wall speedup), the tuned depth-selection baselines, transformers' early-exit reference and the
+    speculative arms of ``dex.speculative``, all from the same cell (same run, same prompts).
+
+    Columns: ``tokens_per_s`` (tokens over wall seconds, pooled), ``wall_speedup`` (AR's pooled
+    seconds over the arm's), ``speedup_mean`` / ``ci_low`` / ``ci_high`` (per-prompt AR seconds over
+    the arm's seconds: mean and t-based 95% interval), ``above_ar`` (the interval of speedup - 1 lies
+    above zero), ``depth_speedup`` and ``ar_match_all``. Cells without a speculative arm are left out.
+    """
+
+    out = []
+    greedy = df[df.temperature == 0]
+    for (v, s), cell in greedy.groupby(["variant", "suite"], sort=False):
+        if not cell.figure.eq("fig5").any():
+            continue
+        a = arms[(arms.variant == v) & (arms.suite == s) & (arms.temperature == 0)]
+        dex = a[(a.figure == "fig3") & a.arm.str.startswith("dex")].sort_values("wall_speedup", ascending=False)
+        picks = [("ar", "AR")] + ([(dex.arm.iloc[0], "DEX (best K by wall)")] if len(dex) else [])
+        picks += [(b, "depth-selection baseline") for b in BASELINES if (a.arm == b).any()]
+        picks += [(n, k) for n, k in FIG5_KINDS.items() if (a.arm == n).any()]
+        ar = cell[cell.arm == "ar"].set_index("prompt_id")["seconds"]
+        for arm, kind in picks:
+            g = cell[cell.arm == arm]
+            sec = g.set_index("prompt_id")["seconds"]
+            common = sec.index.intersection(ar.index)
+            sp = (ar[common] / sec[common]).to_numpy(dtype=float)
+            r = one_sample(sp) if len(sp) else None
+            above = one_sample(sp - 1.0) if len(sp) else None
+            out.append({
+                "variant": v, "suite": s, "arm": arm, "kind": kind, "n_prompts": len(g), "tokens": int(g["tokens"].sum()),
+                "tokens_per_s": _ratio(g["tokens"].sum(), g["seconds"].sum()),
+                "wall_speedup": _ratio(ar.sum(), g["seconds"].sum()),
+                "speedup_mean": r.mean if r else np.nan, "ci_low": r.ci_low if r else np.nan,
+                "ci_high": r.ci_high if r else np.nan,
+                "above_ar": bool(above.resolved and above.mean > 0) if above else False,
+                "depth_speedup": _ratio(g["L"].iloc[0] * g["tokens"].sum(), g["critical_layers"].sum()),
+                "ar_match_all": bool(g["ar_match"].fillna(False).astype(bool).all()),
+                "params": g["params"].iloc[0],
+            })
     return pd.DataFrame(out)
 
 
@@ -346,14 +394,15 @@ def dex_tables(rows: list[dict], adapter_summaries: list[dict],
     df["comm_seconds"] = [r * comm[int(k)] if not np.isnan(k) and int(k) in comm and not np.isnan(r) else np.nan
                           for k, r in zip(df["K"], df["rounds_total"])]
     arms = arms_table(df)
-    return {"dex_arms": arms, "dex_claims": claims_table(df, arms), "dex_overhead": overhead_table(df),
+    return {"dex_arms": arms, "dex_claims": claims_table(df, arms), "dex_fig5": fig5_table(df, arms),
+            "dex_overhead": overhead_table(df),
             "dex_walltime_model": walltime_model_table(df, _decode_rows(rows)), "dex_tuning": tuning_table(rows),
             "dex_adapters": adapters_table(adapter_summaries), "dex_adapter_ead": adapter_ead_table(rows),
             "dex_distributed": distributed_table(distributed_rows or []),
             "dex_draft": draft_table(draft_summaries or [])}
 
 
-__all__ = ["dex_tables", "arms_table", "claims_table", "overhead_table", "walltime_model_table", "tuning_table",
+__all__ = ["dex_tables", "arms_table", "claims_table", "fig5_table", "FIG5_KINDS", "overhead_table", "walltime_model_table", "tuning_table",
            "adapters_table", "adapter_ead_table", "draft_table", "BASELINES"]
 
 
@@ -404,6 +453,24 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
             lines.append(f"- **{claim}**: {verdict}: resolved above zero in {held}/{len(g)} comparisons, "
                          f"mean difference positive in {pos}/{len(g)}.")
         lines += ["", _md(claims), ""]
+    fig5 = read("dex_fig5") if (td / "dex_fig5.csv").is_file() else pd.DataFrame()
+    if len(fig5):
+        ok = bool(fig5["ar_match_all"].astype(str).str.lower().eq("true").all())
+        lines += ["### End-to-end throughput against speculative decoding (Fig. 5 shape)", "",
+                  f"- every arm below equals AR token for token on every prompt: **{'PASS' if ok else 'FAIL'}**", "",
+                  "Greedy, one process, the same prompts and run as AR: `tokens_per_s` and `wall_speedup` pool the "
+                  "prompts; `speedup_mean` [`ci_low`, `ci_high`] is the per-prompt AR time over the arm's with a "
+                  "t-based 95% interval, `above_ar` whether speedup - 1 is resolved above zero. DEX's explorers run "
+                  "one after another here (its K-device projection is in the table above); `prompt_lookup` and "
+                  "`assisted` are transformers' own `generate` (prompt lookup; assisted decoding with the draft "
+                  "model below), `lookahead` the harness's Lookahead decoding.", "", _md(fig5), ""]
+        for (v, s), g in fig5.groupby(["variant", "suite"], sort=False):
+            best = g[g.arm != "ar"].sort_values("wall_speedup", ascending=False)
+            if len(best):
+                dex_rank = next((i + 1 for i, a in enumerate(best.arm.astype(str)) if a.startswith("dex")), None)
+                lines.append(f"- {v} / {s}: fastest `{best.arm.iloc[0]}` ({best.wall_speedup.iloc[0]:.2f}x AR)"
+                             + (f"; DEX ranks {dex_rank} of {len(best)}" if dex_rank else ""))
+        lines.append("")
     if len(over):
         lines += ["### Overhead profile (Table 1 shape)", "",
                   "Average ms per explorer round on this machine (reference executor: expansion is every "

@@ -189,6 +189,29 @@ def verifier_latency(
             not among them, or a prompt too long for ``rounds_per_prompt`` rounds in the context.
     """
     arms = _resolve(verifiers)
+    _check_latency_args(target, drafter, prompts, arms, baseline, isolated, budgets, depth, temperature,
+                        n_trees, repeats, warmup, rounds_per_prompt)
+    device = next(target.parameters()).device
+    rows: list[dict] = []
+    for budget in budgets:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        gens = {name: torch.Generator(device=device).manual_seed(seed + 1 + i) for i, name in enumerate(arms)}
+        acc = _BudgetTimings(arms)
+        for tree, probs, cache, prefix_len in _realized_trees(target, drafter, prompts, budget, depth, temperature,
+                                                              n_trees, rounds_per_prompt, gen):
+            cp = target_coverage(tree.parents, tree.tokens, probs)
+            timed = _time_tree(arms, gens, tree, probs, cache, prefix_len, repeats, warmup,
+                               order_seed=f"{seed}:{budget}:{len(acc.cps)}", isolated=isolated)
+            acc.add(timed, cp, len(tree) - 1)
+        rows += acc.rows(budget=budget, baseline=baseline, depth=depth, temperature=temperature, repeats=repeats,
+                         isolated=isolated)
+    return rows
+
+
+def _check_latency_args(target, drafter, prompts, arms, baseline, isolated, budgets, depth, temperature, n_trees,
+                        repeats, warmup, rounds_per_prompt) -> None:
+    """:func:`verifier_latency`'s argument checks (its ValueErrors), before any forward."""
+
     if baseline not in arms:
         raise ValueError(f"baseline {baseline!r} is not among the verifiers {list(arms)}")
     if any(name not in arms or name == baseline for name in isolated):
@@ -211,94 +234,115 @@ def verifier_latency(
             raise ValueError(f"a prompt of {len(p)} tokens leaves no room for {rounds_per_prompt} rounds of depth "
                              f"{depth} and budget {max(budgets)} in the context of {ctx_len}")
 
+
+def _realized_trees(target, drafter, prompts, budget: int, depth: int, temperature: float, n_trees: int,
+                    rounds_per_prompt: int, gen: torch.Generator):
+    """Yield ``n_trees`` realized trees of real decoding rounds (step 1 of the module docstring):
+    ``(tree, probs [N, V] float32, cache holding prefix + N rows, prefix_len)``. When the consumer asks
+    for the next tree, the round first commits TEV's exact path (drawn with ``gen``, untimed) to the
+    cache and decoding continues; prompts are used in turn, ``rounds_per_prompt`` rounds each."""
+
     device = next(target.parameters()).device
     feature_layers = [int(d) for d in drafter.feature_layers]
-    rows: list[dict] = []
-    for budget in budgets:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        gens = {name: torch.Generator(device=device).manual_seed(seed + 1 + i) for i, name in enumerate(arms)}
-        calls: dict[str, list[tuple[float, float, int]]] = {name: [] for name in arms}
-        per_tree: dict[str, list[float]] = {name: [] for name in arms}  # median decision + commit
-        per_tree_dec: dict[str, list[float]] = {name: [] for name in arms}  # median decision
-        per_tree_com: dict[str, list[float]] = {name: [] for name in arms}  # median commit
-        cps: list[float] = []
-        sizes: list[int] = []
-        dev_of_calls: dict[str, list[float]] = {name: [] for name in arms}
-        prompt_i = 0
-        while len(cps) < n_trees:
-            seq = list(prompts[prompt_i % len(prompts)])
-            prompt_i += 1
-            cache = DynamicCache(config=target.config)
-            if len(seq) > 1:
-                ids = torch.tensor([seq[:-1]], dtype=torch.long, device=device)
-                _, feats = _forward(target, ids, torch.arange(len(seq) - 1, device=device)[None], None, cache,
-                                    feature_layers)
+    produced = 0
+    prompt_i = 0
+    while produced < n_trees:
+        seq = list(prompts[prompt_i % len(prompts)])
+        prompt_i += 1
+        cache = DynamicCache(config=target.config)
+        if len(seq) > 1:
+            ids = torch.tensor([seq[:-1]], dtype=torch.long, device=device)
+            _, feats = _forward(target, ids, torch.arange(len(seq) - 1, device=device)[None], None, cache,
+                                feature_layers)
+        else:
+            width = len(feature_layers) * int(target.config.hidden_size)
+            feats = torch.zeros(0, width, device=device)
+        ctx = (_IncrementalContext if hasattr(drafter, "init_context") else _PlainContext)(drafter, feats)
+        pending = None
+        for _ in range(rounds_per_prompt):
+            if produced >= n_trees:
+                break
+            prefix_len = len(seq) - 1
+            if pending is not None:
+                ctx.extend(pending)
+            marg = drafter.draft_tokens(seq) if hasattr(drafter, "draft_tokens") else ctx.draft(seq[-1])
+            tree = best_first_tree(marg, budget, depth, root_token=seq[-1])
+            logits, tree_feats = _forward(target, tree.input_ids(device), tree.position_ids(prefix_len, device),
+                                          tree.attention_mask(prefix_len, device), cache, feature_layers)
+            if temperature > 0:
+                probs = torch.softmax(logits.float() / temperature, dim=-1)
             else:
-                width = len(feature_layers) * int(target.config.hidden_size)
-                feats = torch.zeros(0, width, device=device)
-            ctx = (_IncrementalContext if hasattr(drafter, "init_context") else _PlainContext)(drafter, feats)
-            pending = None
-            for _ in range(rounds_per_prompt):
-                if len(cps) >= n_trees:
-                    break
-                prefix_len = len(seq) - 1
-                if pending is not None:
-                    ctx.extend(pending)
-                marg = drafter.draft_tokens(seq) if hasattr(drafter, "draft_tokens") else ctx.draft(seq[-1])
-                tree = best_first_tree(marg, budget, depth, root_token=seq[-1])
-                logits, tree_feats = _forward(target, tree.input_ids(device), tree.position_ids(prefix_len, device),
-                                              tree.attention_mask(prefix_len, device), cache, feature_layers)
-                if temperature > 0:
-                    probs = torch.softmax(logits.float() / temperature, dim=-1)
-                else:
-                    probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-                cp = target_coverage(tree.parents, tree.tokens, probs)
-                timed = _time_tree(arms, gens, tree, probs, cache, prefix_len, repeats, warmup,
-                                   order_seed=f"{seed}:{budget}:{len(cps)}", isolated=isolated)
-                for name, got in timed.items():
-                    calls[name] += got
-                    per_tree[name].append(_median([a + b for a, b, _ in got]))
-                    per_tree_dec[name].append(_median([a for a, _, _ in got]))
-                    per_tree_com[name].append(_median([b for _, b, _ in got]))
-                    dev_of_calls[name] += [tau - 1.0 - cp for _, _, tau in got]
-                cps.append(cp)
-                sizes.append(len(tree) - 1)
-                # continue decoding along one exact path (untimed)
-                path, bonus = VERIFIERS["tev"](tree.parents, tree.tokens, probs, gen, validate=False, plan=tree.plan())
-                commit_cache(cache, prefix_len, len(tree), path)
-                pending = tree_feats[torch.tensor(path, device=tree_feats.device)]
-                seq += tree.path_tokens(path[-1]) + [bonus]
-        base_trees = per_tree[baseline]
+                probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+            yield tree, probs, cache, prefix_len
+            produced += 1
+            # continue decoding along one exact path (untimed)
+            path, bonus = VERIFIERS["tev"](tree.parents, tree.tokens, probs, gen, validate=False, plan=tree.plan())
+            commit_cache(cache, prefix_len, len(tree), path)
+            pending = tree_feats[torch.tensor(path, device=tree_feats.device)]
+            seq += tree.path_tokens(path[-1]) + [bonus]
+
+
+class _BudgetTimings:
+    """The timed calls of one budget, per verifier, and the trees' coverages C_p and sizes; :meth:`rows`
+    gives :func:`verifier_latency`'s rows of that budget."""
+
+    def __init__(self, arms: Mapping[str, Callable]):
+        self.names = list(arms)
+        self.calls: dict[str, list[tuple[float, float, int]]] = {n: [] for n in self.names}
+        self.per_tree: dict[str, list[float]] = {n: [] for n in self.names}  # median decision + commit [s]
+        self.per_tree_dec: dict[str, list[float]] = {n: [] for n in self.names}  # median decision [s]
+        self.per_tree_com: dict[str, list[float]] = {n: [] for n in self.names}  # median commit [s]
+        self.dev: dict[str, list[float]] = {n: [] for n in self.names}  # tau - 1 - C_p(tree) per call
+        self.cps: list[float] = []
+        self.sizes: list[int] = []
+
+    def add(self, timed: Mapping[str, list[tuple[float, float, int]]], cp: float, size: int) -> None:
+        """One tree's ``(decision_s, commit_s, tau)`` calls per verifier, its C_p and its non-root size."""
+        for name, got in timed.items():
+            self.calls[name] += got
+            self.per_tree[name].append(_median([a + b for a, b, _ in got]))
+            self.per_tree_dec[name].append(_median([a for a, _, _ in got]))
+            self.per_tree_com[name].append(_median([b for _, b, _ in got]))
+            self.dev[name] += [tau - 1.0 - cp for _, _, tau in got]
+        self.cps.append(cp)
+        self.sizes.append(size)
+
+    def rows(self, *, budget: int, baseline: str, depth: int, temperature: float, repeats: int,
+             isolated: Sequence[str]) -> list[dict]:
+        """One row per verifier (columns: :func:`verifier_latency`'s Returns)."""
+        base_trees = self.per_tree[baseline]
         base_mean = _mean(base_trees)
-        for name in arms:
-            taus = [tau for _, _, tau in calls[name]]
-            dev = dev_of_calls[name]
+        out = []
+        for name in self.names:
+            taus = [tau for _, _, tau in self.calls[name]]
+            dev = self.dev[name]
             sd = statistics.stdev(dev) if len(dev) > 1 else float("nan")
-            rows.append({
+            out.append({
                 "budget": budget,
                 "verifier": name,
                 "baseline": baseline,
                 "depth": depth,
                 "temperature": float(temperature),
-                "n_trees": len(cps),
+                "n_trees": len(self.cps),
                 "repeats": repeats,
-                "n_calls": len(calls[name]),
+                "n_calls": len(self.calls[name]),
                 "timing": "isolated" if name in isolated else "interleaved",
-                "median_us": 1e6 * _median(per_tree[name]),
-                "mean_us": 1e6 * _mean(per_tree[name]),
-                "decision_median_us": 1e6 * _median(per_tree_dec[name]),
-                "commit_median_us": 1e6 * _median(per_tree_com[name]),
-                "ratio_median": _median([a / b for a, b in zip(per_tree[name], base_trees)]),
-                "ratio_of_means": _mean(per_tree[name]) / base_mean,
-                "decision_ratio_median": _median([a / b for a, b in zip(per_tree_dec[name], per_tree_dec[baseline])]),
+                "median_us": 1e6 * _median(self.per_tree[name]),
+                "mean_us": 1e6 * _mean(self.per_tree[name]),
+                "decision_median_us": 1e6 * _median(self.per_tree_dec[name]),
+                "commit_median_us": 1e6 * _median(self.per_tree_com[name]),
+                "ratio_median": _median([a / b for a, b in zip(self.per_tree[name], base_trees)]),
+                "ratio_of_means": _mean(self.per_tree[name]) / base_mean,
+                "decision_ratio_median": _median([a / b for a, b in zip(self.per_tree_dec[name],
+                                                                        self.per_tree_dec[baseline])]),
                 "mean_tau": _mean(taus),
                 "tau_se": sd / len(dev) ** 0.5 if dev else float("nan"),
-                "expected_tau": 1.0 + _mean(cps),
-                "mean_cp": _mean(cps),
-                "mean_tree_size": _mean(sizes),
-                "tree_us": [1e6 * t for t in per_tree[name]],
+                "expected_tau": 1.0 + _mean(self.cps),
+                "mean_cp": _mean(self.cps),
+                "mean_tree_size": _mean(self.sizes),
+                "tree_us": [1e6 * t for t in self.per_tree[name]],
             })
-    return rows
+        return out
 
 
 def bigram_drafter(target, block_size: int = 8, sharpen: float = 1.0) -> FixedDrafter:

@@ -64,6 +64,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -560,6 +561,47 @@ def check_arms(
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no model directory at {model_dir} (config.json missing)")
+    arms, checks, specs = _checked_arms(arms, checks, skipper_spec)
+    _check_requirements(checks, data_dir, bench)
+    need_prompts = [c for c in checks if c in ("client_stream", "greedy_ids", "endpoints")]
+    if prompts is None and need_prompts:
+        raise ValueError(f"the {', '.join(need_prompts)} check(s) need prompts: token-id lists or a workload suite "
+                         "JSONL file")
+    if isinstance(prompts, (str, os.PathLike)):
+        prompts, _ = load_prompts(prompts, n_prompts)
+    prompts = [[int(t) for t in p] for p in list(prompts or [])[: int(n_prompts)]]
+    if need_prompts and (not prompts or any(not p for p in prompts)):
+        raise ValueError("need at least one non-empty prompt")
+    label = label or model_dir.name
+    in_flight = max(len(prompts), bench.max_concurrency if "bench_serving" in checks else 1)
+    cb, ctx = _cb_overrides(model_dir, engine, in_flight)
+    ctx_ = _CheckContext(model_dir=model_dir, label=label, prompts=prompts, max_tokens=int(max_tokens),
+                         switch=dict(HYBRID_SWITCH if switch is None else switch), cb=cb, max_model_len=ctx,
+                         dtype=dtype, device=device, tokenizer=load_tokenizer(model_dir), limit=limit, seed=seed,
+                         bench=bench, reference=reference or in_process_reference, say=say)
+    runs = [(a, None) for a in arms if a == "upstream"] + [(a, s) for s in specs for a in arms if a != "upstream"]
+
+    work = Path(tempfile.mkdtemp(prefix="vskipper_http_"))
+    rows: list[dict] = []
+    try:
+        if "lm_eval" in checks:
+            opts = TaskOptions(gsm8k_max_gen_toks=int(max_gen_toks), datasets_cache_dir=str(work / "hf"),
+                               **({} if num_fewshot is None else {"gsm8k_num_fewshot": int(num_fewshot)}))
+            ts = write_task_yamls(data_dir, work / "tasks", ["gsm8k"], opts)
+            with offline():
+                ctx_.task_manager = TaskManager(include_path=str(ts.include_path), include_defaults=False)
+        ctx_.sharegpt = sharegpt_json(data_dir, work / "sharegpt.json") if "bench_serving" in checks else None
+        ctx_.work = work
+        for arm, spec in runs:
+            rows += _check_one_arm(ctx_, arm, spec, checks)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def _checked_arms(arms: Sequence[str], checks: Sequence[str], skipper_spec: Any) -> tuple[list[str], list[str], list]:
+    """``(arms, checks, skipper specs)`` as lists, each name checked (:func:`check_arms`' ValueErrors)."""
+
     arms = list(arms)
     bad = [a for a in arms if a not in SERVED_ARMS]
     if bad:
@@ -572,6 +614,12 @@ def check_arms(
                                              not isinstance(skipper_spec, Sequence) else list(skipper_spec))
     if any(a != "upstream" for a in arms) and not specs:
         raise ValueError("the routed arms need a skipper spec (e.g. 'randomskip:r=0.5,d=0.5' or 'flexidepth:DIR')")
+    return arms, checks, specs
+
+
+def _check_requirements(checks: Sequence[str], data_dir, bench: BenchServing | None) -> None:
+    """What the ``lm_eval`` and ``bench_serving`` checks need, before any server starts (ValueError)."""
+
     if "lm_eval" in checks and data_dir is None:
         raise ValueError("the lm_eval check needs data_dir (the folder holding gsm8k/)")
     if "bench_serving" in checks:
@@ -583,92 +631,108 @@ def check_arms(
         why = sglang_python_ok(bench.python)
         if why:
             raise ValueError(f"vskipper.http.bench_serving.python: {why}")
-    need_prompts = [c for c in checks if c in ("client_stream", "greedy_ids", "endpoints")]
-    if prompts is None and need_prompts:
-        raise ValueError(f"the {', '.join(need_prompts)} check(s) need prompts: token-id lists or a workload suite "
-                         "JSONL file")
-    if isinstance(prompts, (str, os.PathLike)):
-        prompts, _ = load_prompts(prompts, n_prompts)
-    prompts = [[int(t) for t in p] for p in list(prompts or [])[: int(n_prompts)]]
-    if need_prompts and (not prompts or any(not p for p in prompts)):
-        raise ValueError("need at least one non-empty prompt")
-    label = label or model_dir.name
-    reference = reference or in_process_reference
-    in_flight = max(len(prompts), bench.max_concurrency if "bench_serving" in checks else 1)
-    cb, ctx = _cb_overrides(model_dir, engine, in_flight)
-    sw = dict(HYBRID_SWITCH if switch is None else switch)
-    tokenizer = load_tokenizer(model_dir)
-    runs = [(a, None) for a in arms if a == "upstream"] + [(a, s) for s in specs for a in arms if a != "upstream"]
 
-    work = Path(tempfile.mkdtemp(prefix="vskipper_http_"))
-    tm = None
-    rows: list[dict] = []
+
+@dataclass
+class _CheckContext:
+    """What every arm's checks share within one :func:`check_arms` call (its arguments of the same names;
+    ``cb`` / ``max_model_len``: :func:`_cb_overrides`; ``task_manager``, ``sharegpt``, ``work``: set up by
+    the call for the ``lm_eval`` and ``bench_serving`` checks)."""
+
+    model_dir: Path
+    label: str
+    prompts: list[list[int]]
+    max_tokens: int
+    switch: dict
+    cb: dict
+    max_model_len: int | None
+    dtype: str
+    device: str
+    tokenizer: Any
+    limit: int
+    seed: int
+    bench: BenchServing | None
+    reference: ReferenceFn
+    say: Callable[[str], None]
+    task_manager: Any = None
+    sharegpt: Path | None = None
+    work: Path | None = None
+
+
+def _arm_references(c: _CheckContext, arm: str, spec: Any, rids: Mapping[str, list[str]], tag: str
+                    ) -> tuple[dict[str, list], str | None]:
+    """The in-process reference outputs of the client checks (``check -> per prompt``), in the order the
+    server will see the requests, and the reference's error (None when it ran)."""
+
+    if not rids:
+        return {}, None
+    t0 = time.perf_counter()
+    refs: dict[str, list] = {}
+    err = None
+    n = len(c.prompts)
     try:
-        if "lm_eval" in checks:
+        flat = c.reference(c.model_dir, arm, spec, c.prompts * len(rids), [r for k in rids for r in rids[k]],
+                           c.max_tokens, switch=c.switch, cb_overrides=c.cb, dtype=c.dtype, device=c.device)
+        refs = {k: list(flat[j * n:(j + 1) * n]) for j, k in enumerate(rids)}
+    except Exception as e:  # noqa: BLE001 - the check rows say why
+        err = f"in-process reference failed: {type(e).__name__}: {e}"
+    c.say(f"{tag}: in-process reference in {time.perf_counter() - t0:.1f} s")
+    return refs, err
 
-            opts = TaskOptions(gsm8k_max_gen_toks=int(max_gen_toks), datasets_cache_dir=str(work / "hf"),
-                               **({} if num_fewshot is None else {"gsm8k_num_fewshot": int(num_fewshot)}))
-            ts = write_task_yamls(data_dir, work / "tasks", ["gsm8k"], opts)
-            with offline():
-                tm = TaskManager(include_path=str(ts.include_path), include_defaults=False)
-        sharegpt = sharegpt_json(data_dir, work / "sharegpt.json") if "bench_serving" in checks else None
-        for arm, spec in runs:
-            spec_s = None if spec is None else str(spec)
-            tag = f"{label}/{arm}" + (f" [{spec_s}]" if spec_s else "")
-            # the client checks' request ids, in the order the server will see them (the reference replays
-            # that order: the hybrid switch's state carries over between requests)
-            rids = {c: [f"{label}-{arm}-{i}-{c[0]}" for i in range(len(prompts))]
-                    for c in checks if c in ("client_stream", "greedy_ids")}
-            refs: dict[str, list] = {}
-            ref_err = None
-            if rids:
-                t0 = time.perf_counter()
-                try:
-                    flat = reference(model_dir, arm, spec, prompts * len(rids), [r for c in rids for r in rids[c]],
-                                     int(max_tokens), switch=sw, cb_overrides=cb, dtype=dtype, device=device)
-                    refs = {c: list(flat[j * len(prompts):(j + 1) * len(prompts)]) for j, c in enumerate(rids)}
-                except Exception as e:  # noqa: BLE001 - the check rows say why
-                    ref_err = f"in-process reference failed: {type(e).__name__}: {e}"
-                say(f"{tag}: in-process reference in {time.perf_counter() - t0:.1f} s")
+
+def _run_check(c: _CheckContext, server, check: str, rids: Mapping[str, list[str]], refs: Mapping[str, list],
+               ref_err: str | None) -> dict:
+    """One check against a running server: ``{"ok": bool, "detail": str, **measured columns}``."""
+
+    if check in rids and check not in refs:
+        return dict(ok=False, detail=ref_err)
+    if check == "client_stream":
+        return _check_client(server, c.tokenizer, c.prompts, rids[check], refs[check], c.max_tokens)
+    if check == "greedy_ids":
+        return _check_ids(server, c.prompts, rids[check], refs[check], c.max_tokens)
+    if check == "lm_eval":
+        return _check_lm_eval(server, c.model_dir, c.task_manager, c.limit, c.seed)
+    if check == "bench_serving":
+        return _check_bench_serving(server, c.model_dir, c.tokenizer, c.bench, c.sharegpt, c.work, c.seed)
+    return _check_endpoints(server, c.prompts[0])
+
+
+def _check_one_arm(c: _CheckContext, arm: str, spec: Any, checks: Sequence[str]) -> list[dict]:
+    """Every check of one (arm, skipper spec): reference first, then a server, then the checks in turn.
+    A server that does not start makes every check a FAIL row; a check that raises is a FAIL row."""
+
+    spec_s = None if spec is None else str(spec)
+    tag = f"{c.label}/{arm}" + (f" [{spec_s}]" if spec_s else "")
+    # the client checks' request ids, in the order the server will see them (the reference replays
+    # that order: the hybrid switch's state carries over between requests)
+    rids = {k: [f"{c.label}-{arm}-{i}-{k[0]}" for i in range(len(c.prompts))]
+            for k in checks if k in ("client_stream", "greedy_ids")}
+    refs, ref_err = _arm_references(c, arm, spec, rids, tag)
+    try:
+        server = serve(c.model_dir, arm, spec, port=0, block=False, served_model_name=c.label,
+                       switch=c.switch if arm == "hybrid" else None, cb_overrides=c.cb, dtype=c.dtype,
+                       device=c.device, max_model_len=c.max_model_len)
+    except Exception as e:  # noqa: BLE001 - every check of this arm fails, the other arms still run
+        log.exception("%s: the server did not start", tag)
+        return [_row(c.label, arm, spec_s, check, False, f"the server did not start: {type(e).__name__}: {e}")
+                for check in checks]
+    rows = []
+    try:
+        for check in checks:
+            t0 = time.perf_counter()
             try:
-                server = serve(model_dir, arm, spec, port=0, block=False, served_model_name=label,
-                               switch=sw if arm == "hybrid" else None, cb_overrides=cb, dtype=dtype, device=device,
-                               max_model_len=ctx)
-            except Exception as e:  # noqa: BLE001 - every check of this arm fails, the other arms still run
-                log.exception("%s: the server did not start", tag)
-                for check in checks:
-                    rows.append(_row(label, arm, spec_s, check, False,
-                                     f"the server did not start: {type(e).__name__}: {e}"))
-                continue
-            try:
-                for check in checks:
-                    t0 = time.perf_counter()
-                    try:
-                        if check in rids and check not in refs:
-                            res = dict(ok=False, detail=ref_err)
-                        elif check == "client_stream":
-                            res = _check_client(server, tokenizer, prompts, rids[check], refs[check], max_tokens)
-                        elif check == "greedy_ids":
-                            res = _check_ids(server, prompts, rids[check], refs[check], max_tokens)
-                        elif check == "lm_eval":
-                            res = _check_lm_eval(server, model_dir, tm, limit, seed)
-                        elif check == "bench_serving":
-                            res = _check_bench_serving(server, model_dir, tokenizer, bench, sharegpt, work, seed)
-                        else:
-                            res = _check_endpoints(server, prompts[0])
-                    except Exception as e:  # noqa: BLE001 - a broken check is a FAIL row, the others still run
-                        log.exception("%s: check %s raised", tag, check)
-                        res = dict(ok=False, detail=f"{type(e).__name__}: {e}")
-                    routed, skip = _shares(server.url, arm)
-                    ok = bool(res.pop("ok"))
-                    row = _row(label, arm, spec_s, check, ok, res.pop("detail"), routed_share=routed,
-                               skip_share=skip, wall_s=round(time.perf_counter() - t0, 3), **res)
-                    rows.append(row)
-                    say(f"{tag} {check}: {row['verdict']} - {row['detail']}")
-            finally:
-                server.close()
+                res = _run_check(c, server, check, rids, refs, ref_err)
+            except Exception as e:  # noqa: BLE001 - a broken check is a FAIL row, the others still run
+                log.exception("%s: check %s raised", tag, check)
+                res = dict(ok=False, detail=f"{type(e).__name__}: {e}")
+            routed, skip = _shares(server.url, arm)
+            ok = bool(res.pop("ok"))
+            row = _row(c.label, arm, spec_s, check, ok, res.pop("detail"), routed_share=routed,
+                       skip_share=skip, wall_s=round(time.perf_counter() - t0, 3), **res)
+            rows.append(row)
+            c.say(f"{tag} {check}: {row['verdict']} - {row['detail']}")
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        server.close()
     return rows
 
 

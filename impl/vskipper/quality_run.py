@@ -206,6 +206,136 @@ def _agreement_keys(records: Mapping[tuple[str, int], GenRecord], ts: TaskSet, p
     return keys
 
 
+@dataclass(frozen=True)
+class _ArmSetup:
+    """What every arm of one :func:`run_quality` call is built from (its arguments of the same names)."""
+
+    model_dir: Path
+    ckpt_dir: Path
+    tokenizer: Any
+    skipper: Skipper | None
+    served: str
+    device: str
+    dtype: str
+    cb_config: Any
+    max_length: int
+    add_bos_token: bool | None
+    max_logprobs: int
+    request_timeout_s: float
+    http_concurrency: int
+
+
+@contextlib.contextmanager
+def _arm_lm(arm: str, s: _ArmSetup):
+    """The lm-eval model of ``arm`` and its server (None unless served over HTTP), freed on exit.
+
+    A: transformers (HFLM) on the base model; B: the checkpoint's skipper in process (plain routed
+    forward); C / D: the continuous-batching engine, dense on the base model / routed with the skipper,
+    over HTTP (``served="http"``: lm-eval's ``local-completions`` client against an in-process server)
+    or in process.
+    """
+
+    common = dict(max_length=s.max_length, add_bos_token=s.add_bos_token)
+    model = endpoint = lm = None
+    try:
+        if arm == "A":
+            lm = RecordingHFLM(arm="A", pretrained=str(s.model_dir), tokenizer=str(s.model_dir), device=s.device,
+                               dtype=s.dtype, batch_size=1, **common)
+        else:
+            model = load_model(s.ckpt_dir if arm in ("B", "D") else s.model_dir,
+                               dtype=getattr(torch, s.dtype)).to(s.device)
+            if arm == "B":
+                lm = PlainRoutedLM(model, s.tokenizer, s.skipper, arm="B", **common)
+            elif s.served == "http":
+                endpoint = ServedEndpoint(model, s.tokenizer, SERVER_ARM[arm],
+                                          skipper=s.skipper if arm == "D" else None, cb_config=s.cb_config,
+                                          served_model_name=f"vsk-quality-{arm}", max_logprobs=s.max_logprobs,
+                                          request_timeout_s=s.request_timeout_s).start()
+                mc = model.config
+                cfg_m = mc.get_text_config() if hasattr(mc, "get_text_config") else mc
+                lm = RecordingCompletionsLM(arm, base_url=endpoint.completions_url,
+                                            model=endpoint.served_model_name, tokenizer=s.model_dir,
+                                            max_length=s.max_length, eos_ids=eos_ids_of(model),
+                                            add_bos_token=s.add_bos_token, num_concurrent=s.http_concurrency,
+                                            timeout_s=s.request_timeout_s, received=endpoint.received,
+                                            vocab_size=int(cfg_m.vocab_size), max_logprobs=s.max_logprobs)
+            elif arm == "C":
+                lm = EngineLM(model, s.tokenizer, mode="dense", cb_config=s.cb_config, arm="C", **common)
+            else:
+                lm = EngineLM(model, s.tokenizer, mode="routed", skipper=s.skipper, cb_config=s.cb_config, arm="D",
+                              **common)
+        yield lm, endpoint
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        del lm, model, endpoint
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _doc_rows(result: QualityResult, arms: Sequence[str], prov: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One ``kind="doc"`` row per document x arm (no ids), with its primary metric's score."""
+
+    ts = result.tasks
+    rows: list[dict[str, Any]] = []
+    for arm in arms:
+        for key, rec in sorted(result.records[arm].items()):
+            sc = result.scores[arm][key]
+            suite = ts.suite_of[key[0]]
+            m, f = PRIMARY_METRIC[suite]
+            primary = f"{m},{f}"
+            rows.append({
+                "kind": "doc", "suite": suite, **rec.to_row(with_ids=False), "arm_desc": ARMS[arm],
+                "metric": primary, "score": sc["scores"].get(primary), "scores": sc["scores"],
+                "filtered": sc["filtered"], "target": sc.get("target"), **prov,
+            })
+    return rows
+
+
+def _did_rows(result: QualityResult, n_docs: int, prov: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The ``kind="summary"`` rows: the paired DiD per suite x metric (:func:`impl.quality.did.summarize`),
+    and per task for the primary metric where a suite has several tasks (BBH)."""
+
+    ts = result.tasks
+    summary: list[dict[str, Any]] = []
+    for suite, names in ts.tasks.items():
+        keys = sorted(k for k in result.records["A"] if ts.suite_of[k[0]] == suite)
+        if not keys:
+            continue
+        m, f = PRIMARY_METRIC[suite]
+        primary = f"{m},{f}"
+        metrics = sorted(result.scores["A"][keys[0]]["scores"])
+        for metric in metrics:
+            row = summarize(result.scores, result.records, keys, metric, suite=suite)
+            row.update({"kind": "summary", "task": None, "primary": metric == primary, "n_docs_checked": n_docs,
+                        "prompt_hashes_equal": True, **prov})
+            summary.append(row)
+        if len(names) > 1:
+            for name in names:
+                tkeys = [k for k in keys if k[0] == name]
+                if tkeys:
+                    row = summarize(result.scores, result.records, tkeys, primary, suite=suite)
+                    row.update({"kind": "summary", "task": name, "primary": True, "prompt_hashes_equal": True,
+                                **prov})
+                    summary.append(row)
+    return summary
+
+
+def _first_token_rows(result: QualityResult, agreement_lp: Mapping[tuple[str, int], Mapping[str, torch.Tensor]],
+                      reference: str, tol: float, prov: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The ``kind="first_token"`` rows: per agreement prompt and arm pair
+    (:func:`impl.quality.did.first_token_agreement`, top-5, tolerance ``tol`` nats; App. E.1)."""
+
+    rows = []
+    for key, lps in sorted(agreement_lp.items()):
+        rec = result.records[reference][key]
+        for r in first_token_agreement(lps, k=5, tol=tol):
+            rows.append({"kind": "first_token", "suite": result.tasks.suite_of[key[0]], "task": key[0],
+                         "doc_id": key[1], "prompt_hash": rec.prompt_hash, **r, **prov})
+    return rows
+
+
 def run_quality(
     model_dir: str | os.PathLike,
     skipper,
@@ -272,7 +402,7 @@ def run_quality(
 
     Raises:
         impl.quality.did.PromptMismatchError: when the arms fed different token ids to any document.
-        ValueError: for an unknown suite / arm / skipper / ``served`` mode.
+        ValueError: for an unknown suite / arm / skipper / ``served`` mode / dtype.
         RuntimeError: when a served arm's engine received other ids than its client sent.
         FileNotFoundError: for a missing model directory or data file.
     """
@@ -289,7 +419,8 @@ def run_quality(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     skip = resolve_skipper(skipper) if any(a in arms for a in ("B", "D")) else None
-    torch_dtype = getattr(torch, dtype)
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"dtype must name a torch dtype (float32, bfloat16, ...), got {dtype!r}")
 
     tokenizer = load_tokenizer(model_dir)
     if max_length is None:
@@ -309,41 +440,18 @@ def run_quality(
     result = QualityResult(tasks=ts, out=out)
     agreement_lp: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     agreement_keys: list[tuple[str, int]] | None = None
-    common = dict(max_length=max_length, add_bos_token=add_bos_token)
     if http_concurrency is None:
         http_concurrency = int(getattr(cb_config, "max_requests_per_batch", 0) or 8)
+    setup = _ArmSetup(model_dir=model_dir, ckpt_dir=ckpt_dir, tokenizer=tokenizer, skipper=skip, served=served,
+                      device=device, dtype=dtype, cb_config=cb_config, max_length=max_length,
+                      add_bos_token=add_bos_token, max_logprobs=max_logprobs, request_timeout_s=request_timeout_s,
+                      http_concurrency=http_concurrency)
 
     with offline():
         tm = TaskManager(include_path=str(ts.include_path), include_defaults=False)
         for arm in arms:
-            model = endpoint = None
             t0 = time.perf_counter()
-            try:
-                if arm == "A":
-                    lm = RecordingHFLM(arm="A", pretrained=str(model_dir), tokenizer=str(model_dir), device=device,
-                                       dtype=dtype, batch_size=1, **common)
-                else:
-                    model = load_model(ckpt_dir if arm in ("B", "D") else model_dir, dtype=torch_dtype).to(device)
-                    if arm == "B":
-                        lm = PlainRoutedLM(model, tokenizer, skip, arm="B", **common)
-                    elif served == "http":
-                        endpoint = ServedEndpoint(model, tokenizer, SERVER_ARM[arm],
-                                                  skipper=skip if arm == "D" else None, cb_config=cb_config,
-                                                  served_model_name=f"vsk-quality-{arm}", max_logprobs=max_logprobs,
-                                                  request_timeout_s=request_timeout_s).start()
-                        mc = model.config
-                        cfg_m = mc.get_text_config() if hasattr(mc, "get_text_config") else mc
-                        lm = RecordingCompletionsLM(arm, base_url=endpoint.completions_url,
-                                                    model=endpoint.served_model_name, tokenizer=model_dir,
-                                                    max_length=max_length, eos_ids=eos_ids_of(model),
-                                                    add_bos_token=add_bos_token, num_concurrent=http_concurrency,
-                                                    timeout_s=request_timeout_s, received=endpoint.received,
-                                                    vocab_size=int(cfg_m.vocab_size), max_logprobs=max_logprobs)
-                    elif arm == "C":
-                        lm = EngineLM(model, tokenizer, mode="dense", cb_config=cb_config, arm="C", **common)
-                    else:
-                        lm = EngineLM(model, tokenizer, mode="routed", skipper=skip, cb_config=cb_config, arm="D",
-                                      **common)
+            with _arm_lm(arm, setup) as (lm, endpoint):
                 res = _evaluate(lm, ts, tm, limit, seed, opts.fewshot_seed)
                 result.wall_s[arm] = time.perf_counter() - t0
                 scores = per_doc_scores(res.get("samples", {}), arm)
@@ -369,57 +477,15 @@ def run_quality(
                     result.served_stats[arm] = endpoint.stats()
                     agg.update(server_arm=SERVER_ARM[arm], server_stats=result.served_stats[arm])
                 write_json(out / f"lm_eval_{arm}.json", _jsonable(agg))
-            finally:
-                if endpoint is not None:
-                    endpoint.close()
-            del lm, model, endpoint
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
 
     n_docs = check_prompt_hashes(result.records)
     result.requests = request_rows(result.records[arms[0]], ts.suite_of, max_length=max_length,
                                    add_bos_token=add_bos_token)
     write_jsonl(out / "requests.jsonl", result.requests)
-    rows: list[dict[str, Any]] = []
-    for arm in arms:
-        for key, rec in sorted(result.records[arm].items()):
-            sc = result.scores[arm][key]
-            suite = ts.suite_of[key[0]]
-            m, f = PRIMARY_METRIC[suite]
-            primary = f"{m},{f}"
-            rows.append({
-                "kind": "doc", "suite": suite, **rec.to_row(with_ids=False), "arm_desc": ARMS[arm],
-                "metric": primary, "score": sc["scores"].get(primary), "scores": sc["scores"],
-                "filtered": sc["filtered"], "target": sc.get("target"), **prov,
-            })
-
+    rows = _doc_rows(result, arms, prov)
     if all(a in arms for a in ("A", "B", "C", "D")):
-        for suite, names in ts.tasks.items():
-            keys = sorted(k for k in result.records["A"] if ts.suite_of[k[0]] == suite)
-            if not keys:
-                continue
-            m, f = PRIMARY_METRIC[suite]
-            primary = f"{m},{f}"
-            metrics = sorted(result.scores["A"][keys[0]]["scores"])
-            for metric in metrics:
-                row = summarize(result.scores, result.records, keys, metric, suite=suite)
-                row.update({"kind": "summary", "task": None, "primary": metric == primary, "n_docs_checked": n_docs,
-                            "prompt_hashes_equal": True, **prov})
-                result.summary.append(row)
-            if len(names) > 1:
-                for name in names:
-                    tkeys = [k for k in keys if k[0] == name]
-                    if tkeys:
-                        row = summarize(result.scores, result.records, tkeys, primary, suite=suite)
-                        row.update({"kind": "summary", "task": name, "primary": True, "prompt_hashes_equal": True,
-                                    **prov})
-                        result.summary.append(row)
-    for key, lps in sorted(agreement_lp.items()):
-        rec = result.records[arms[0]][key]
-        for r in first_token_agreement(lps, k=5, tol=tol):
-            result.first_token.append({"kind": "first_token", "suite": ts.suite_of[key[0]], "task": key[0],
-                                       "doc_id": key[1], "prompt_hash": rec.prompt_hash, **r, **prov})
+        result.summary = _did_rows(result, n_docs, prov)
+    result.first_token = _first_token_rows(result, agreement_lp, arms[0], tol, prov)
     rows += result.summary + result.first_token
     result.rows = rows
     write_jsonl(out / "quality.jsonl", rows)

@@ -475,6 +475,218 @@ def _arm_share(recs: Iterable[Mapping[str, Any]], lengths: Mapping[str, int]) ->
             "prefill_routed_share": pre / n if n else math.nan}
 
 
+# ----------------------------------------------------------------------------------- pass phases
+def _check_arms_and_rate(arms: Sequence[str], rate: float) -> list[str]:
+    arms = list(arms)
+    if len(arms) != 2 or len(set(arms)) != 2 or any(a not in SERVER_ARMS or a == "upstream" for a in arms):
+        raise ValueError(f"arms must be two distinct vSkipper server arms (treatment, reference), got {arms}")
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a positive number of requests/s, got {rate!r}")
+    return arms
+
+
+@dataclass
+class _ArmPass:
+    """One arm's served stream: ``responses`` (request id -> :func:`run_stream` record), the server's
+    ``stats``, the prompt ids the engine ``received`` per request id, and the pass's ``wall_s`` [s]."""
+
+    responses: dict[str, dict]
+    stats: dict
+    received: dict[str, list[int]]
+    wall_s: float
+
+
+def _serve_arm(model, tokenizer, arm: str, skipper, switch, cb, stream: Sequence[StreamRequest], schedule,
+               timeout_s: float) -> _ArmPass:
+    """Replay ``stream`` on ``schedule`` against a fresh in-process server of ``arm`` (step 2 above)."""
+
+    ep = ServedEndpoint(model, tokenizer, arm, skipper=skipper, switch=switch if arm != "always-route" else None,
+                        cb_config=cb, served_model_name=f"vsk-served-{arm}", request_timeout_s=timeout_s)
+    t0 = time.perf_counter()
+    with ep:
+        got = run_stream(ep.completions_url, ep.served_model_name, stream, schedule, timeout_s=timeout_s)
+        stats = ep.stats()
+        received = dict(ep.received)
+    wall = time.perf_counter() - t0
+    gc.collect()
+    return _ArmPass(responses=got, stats=stats, received=received, wall_s=wall)
+
+
+def _request_rows(stream: Sequence[StreamRequest], served: _ArmPass, suite: str, arm: str, pos: int,
+                  stamp: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The ``served_request`` rows of one arm's pass (every stream request, times and modes, no ids)."""
+
+    rows = []
+    for r in stream:
+        rec = served.responses[r.request_id]
+        rows.append({"kind": "served_request", "suite": suite, "arm": arm, "order_position": pos,
+                     "request_id": r.request_id, "scored": r.scored, "task": r.task, "doc_id": r.doc_id,
+                     "n_prompt_tokens": len(r.prompt_ids), "max_tokens": r.max_tokens,
+                     "n_tokens": len(rec["token_ids"]), **{k: rec[k] for k in (
+                         "scheduled_s", "arrival_s", "finish_s", "e2e_s", "error", "finish_reason")},
+                     "vskipper": rec["vskipper"], **stamp})
+    return rows
+
+
+def _check_arm_pass(arm: str, stream: Sequence[StreamRequest], served: _ArmPass,
+                    rows: Sequence[Mapping[str, Any]]) -> None:
+    """Raise :class:`ServedStreamError` (``rows`` attached) when a request failed, and
+    :class:`PromptMismatchError` when the engine received other prompt ids than the quality run fed."""
+
+    failed = [r for r in stream if served.responses[r.request_id]["error"] is not None]
+    if failed:
+        raise ServedStreamError(f"arm {arm}: {len(failed)} of {len(stream)} requests failed; first "
+                                f"{failed[0].request_id}: {served.responses[failed[0].request_id]['error']}", rows)
+    bad = [r.request_id for r in stream if served.received.get(r.request_id) != list(r.prompt_ids)]
+    if bad:
+        raise PromptMismatchError(f"arm {arm}: the engine received other prompt ids than the quality run fed on "
+                                  f"{len(bad)} request(s), first {bad[0]}")
+
+
+@dataclass
+class _Cut:
+    """One arm's responses cut by the 2x2's stop rule: ``texts`` and ``ids`` per ``(task, doc_id)`` and how
+    many documents' cut text equals the server's own ``text`` (``server_text_equal``)."""
+
+    texts: dict[tuple[str, int], str]
+    ids: dict[tuple[str, int], list[int]]
+    server_text_equal: int
+
+
+def _cut_responses(docs: Sequence[StreamRequest], responses: Mapping[str, Mapping[str, Any]], tokenizer,
+                   eos_ids) -> _Cut:
+    """Cut each document's served token ids by its stop rule and decode the scored text (step 3 above)."""
+
+    cut = _Cut(texts={}, ids={}, server_text_equal=0)
+    for d in docs:
+        rec = responses[d.request_id]
+        rule = StopRule(tokenizer, d.stop, eos_ids)
+        ids = rule.cut(rec["token_ids"][: d.max_tokens])
+        text = rule.text(ids)
+        cut.texts[(d.task, d.doc_id)] = text
+        cut.ids[(d.task, d.doc_id)] = ids
+        cut.server_text_equal += int(text == rec["text"])
+    return cut
+
+
+def _score_arms(cuts: Mapping[str, _Cut], hashes: Mapping[tuple[str, int], str], arms: Sequence[str], tokenizer,
+                data_dir, suite: str, out: Path, opts: TaskOptions, limit, seed: int, *, max_length: int,
+                add_bos_token) -> dict[str, dict[tuple[str, int], dict]]:
+    """Score each arm's cut texts with lm-eval itself through :class:`ReplayLM` (step 3 above); writes
+    ``lm_eval_<arm>.json`` under ``out``.
+
+    Raises:
+        ValueError: when lm-eval scored other documents than the quality run's requests.
+    """
+
+    scores: dict[str, dict[tuple[str, int], dict]] = {}
+    ts = write_task_yamls(data_dir, out / "tasks", (suite,), opts)
+    with offline():
+        tm = TaskManager(include_path=str(ts.include_path), include_defaults=False)
+        for arm in arms:
+            lm = ReplayLM.make(cuts[arm].texts, hashes, tokenizer, max_length=max_length, add_bos_token=add_bos_token)
+            res = _evaluate(lm, ts, tm, limit, seed, opts.fewshot_seed)
+            sc = per_doc_scores(res.get("samples", {}), arm)
+            if set(sc) != set(hashes):
+                missing = sorted(set(hashes) - set(sc))[:5]
+                extra_docs = sorted(set(sc) - set(hashes))[:5]
+                raise ValueError(f"arm {arm}: lm-eval scored other documents than the quality run's requests "
+                                 f"(not scored: {missing}; not requested: {extra_docs}); same limit and options?")
+            scores[arm] = sc
+            write_json(out / f"lm_eval_{arm}.json", _jsonable({"results": res.get("results"), "arm": arm}))
+    return scores
+
+
+def _doc_rows(docs: Sequence[StreamRequest], responses: Mapping[str, Mapping[str, Any]],
+              scores: Mapping[tuple[str, int], Mapping[str, Any]], cut: _Cut, suite: str, arm: str, primary: str,
+              stamp: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The ``served_doc`` rows of one arm (document: ids, response, scores, modes, times)."""
+
+    rows = []
+    for d in docs:
+        key = (d.task, d.doc_id)
+        rec = responses[d.request_id]
+        sc = scores[key]
+        v = rec["vskipper"]
+        dr, rr = routed_decode_rows(len(d.prompt_ids), len(rec["token_ids"]), v.get("decode_routed_from"))
+        rows.append({"kind": "served_doc", "suite": suite, "arm": arm, "task": d.task, "doc_id": d.doc_id,
+                     "request_id": d.request_id, "prompt_hash": prompt_hash(list(d.prompt_ids)),
+                     "n_prompt_tokens": len(d.prompt_ids), "gen_ids": cut.ids[key],
+                     "n_gen_tokens": len(cut.ids[key]), "n_served_tokens": len(rec["token_ids"]),
+                     "response": cut.texts[key], "server_text": rec["text"], "finish_reason": rec["finish_reason"],
+                     "max_gen_toks": d.max_tokens, "metric": primary, "score": sc["scores"].get(primary),
+                     "scores": sc["scores"], "filtered": sc["filtered"], "target": sc.get("target"),
+                     "prefill_routed": v.get("prefill_routed"), "decode_routed_from": v.get("decode_routed_from"),
+                     "promoted": v.get("promoted"), "decode_rows": dr, "decode_routed_rows": rr,
+                     "scheduled_s": rec["scheduled_s"], "arrival_s": rec["arrival_s"], "e2e_s": rec["e2e_s"],
+                     **stamp})
+    return rows
+
+
+def _arm_row(served: _ArmPass, stream: Sequence[StreamRequest], docs: Sequence[StreamRequest],
+             lengths: Mapping[str, int], schedule, suite: str, arm: str, pos: int, rate: float,
+             server_text_equal: int, stamp: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One arm's ``served_arm`` row (counts, E2E mean, routed shares, the server's stats) and its routed
+    shares (step 4 above)."""
+
+    got = served.responses
+    all_share = _arm_share(got.values(), lengths)
+    doc_share = _arm_share((got[d.request_id] for d in docs), lengths)
+    ms = (served.stats.get("mode_switch") or {}).get("rows", {}).get("decode") or {}
+    tot = (ms.get("routed") or 0) + (ms.get("dense") or 0)
+    shares = {"routed_share": all_share["routed_share"], "routed_share_docs": doc_share["routed_share"],
+              "prefill_routed_share": all_share["prefill_routed_share"],
+              "switch_routed_share": (ms.get("routed", 0) / tot) if tot else
+              (1.0 if arm == "always-route" else math.nan)}
+    e2e = [got[r.request_id]["e2e_s"] for r in stream]
+    row = {"kind": "served_arm", "suite": suite, "arm": arm, "order_position": pos, "n_requests": len(stream),
+           "n_docs": len(docs), "n_padding": len(stream) - len(docs), "n_failed": 0, "rate": rate,
+           "window_s": schedule.window_s, "schedule_seed": schedule.seed, "wall_s": served.wall_s,
+           "e2e_mean_s": _mean(e2e), "output_tokens": sum(len(got[r.request_id]["token_ids"]) for r in stream),
+           **all_share, "routed_share_docs": doc_share["routed_share"],
+           "decode_rows_docs": doc_share["decode_rows"],
+           "decode_routed_rows_docs": doc_share["decode_routed_rows"],
+           "switch_decode_rows": ms or None, "switch_routed_share": shares["switch_routed_share"],
+           "server_text_equal": server_text_equal, "server_stats": _jsonable(served.stats), **stamp}
+    return row, shares
+
+
+def _summary_rows(result: ServedKneeResult, cuts: Mapping[str, _Cut], shares: Mapping[str, Mapping[str, Any]],
+                  hashes: Mapping[tuple[str, int], str], stream: Sequence[StreamRequest], docs: Sequence[StreamRequest],
+                  schedule, suite: str, arms: Sequence[str], rate: float, primary: str,
+                  stamp: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The ``served_summary`` rows: per metric over the suite, and per task for the primary metric when the
+    suite has several tasks (BBH)."""
+
+    treat, ref = arms
+    keys = sorted(hashes)
+    metrics = sorted(result.scores[treat][keys[0]]["scores"])
+    common = {"n_requests": len(stream), "n_padding": len(stream) - len(docs), "rate": rate,
+              "window_s": schedule.window_s, "schedule_seed": schedule.seed,
+              "tokens_equal": sum(cuts[treat].ids[k] == cuts[ref].ids[k] for k in keys),
+              **{f"routed_share_{a}": shares[a]["routed_share"] for a in arms},
+              **{f"routed_share_docs_{a}": shares[a]["routed_share_docs"] for a in arms},
+              **{f"prefill_routed_share_{a}": shares[a]["prefill_routed_share"] for a in arms},
+              **{f"switch_routed_share_{a}": shares[a]["switch_routed_share"] for a in arms},
+              **{f"e2e_mean_s_{r['arm']}": r["e2e_mean_s"] for r in result.arm_rows},
+              "prompt_hashes_equal": True}
+    summary = []
+    for metric in metrics:
+        row = served_summary(result.scores, keys, metric, suite=suite, arms=arms)
+        row.update({"kind": "served_summary", "task": None, "primary": metric == primary, **common, **stamp})
+        summary.append(row)
+    names = sorted({k[0] for k in keys})
+    if len(names) > 1:
+        for name in names:
+            tkeys = [k for k in keys if k[0] == name]
+            row = served_summary(result.scores, tkeys, primary, suite=suite, arms=arms)
+            row.update({"kind": "served_summary", "task": name, "primary": True,
+                        "tokens_equal": sum(cuts[treat].ids[k] == cuts[ref].ids[k] for k in tkeys),
+                        "prompt_hashes_equal": True, **stamp})
+            summary.append(row)
+    return summary
+
+
 # ----------------------------------------------------------------------------------------- the pass
 def run_served_knee(
     model_dir: str | os.PathLike,
@@ -539,11 +751,7 @@ def run_served_knee(
     Source: vSkipper Sec. 4.3, Table 5 (right), App. E.3.
     """
 
-    arms = list(arms)
-    if len(arms) != 2 or len(set(arms)) != 2 or any(a not in SERVER_ARMS or a == "upstream" for a in arms):
-        raise ValueError(f"arms must be two distinct vSkipper server arms (treatment, reference), got {arms}")
-    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
-        raise ValueError(f"rate must be a positive number of requests/s, got {rate!r}")
+    arms = _check_arms_and_rate(arms, rate)
     req_rows = [dict(r) for r in requests]
     docs = doc_requests(req_rows)
     if not docs:
@@ -560,150 +768,48 @@ def run_served_knee(
         raise ValueError(f"suite {suite}: a Poisson stream needs at least 2 requests, got {len(stream)} "
                          "(raise the quality limit or pad with vskipper.quality.served.requests)")
     schedule = poisson_arrivals(rate, len(stream), seed=cell_seed(seed, suite, "quality-served"))
-    cb = stream_cb_config(eng, stream)
     base = dict(extra or {})
     cfg = dict(config) if config is not None else {
         "model_dir": str(model_dir), "suite": suite, "rate": rate, "limit": limit, "n_requests": len(stream),
         "pad_max_tokens": pad_max_tokens, "seed": seed, "engine": eng, "arms": arms, "switch": switch.to_dict(),
         "options": opts.to_dict(), "timeout_s": timeout_s}
     prov = provenance(cfg, seed=seed, device=device, dtype=dtype, run_id=run_id)
+    stamp = {**base, **prov}
 
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype=getattr(torch, dtype)).to(device)
     sk = parse_skipper_spec(skipper, model)
-    eos_ids = eos_ids_of(model)
-    lengths = {r.request_id: len(r.prompt_ids) for r in stream}
     result = ServedKneeResult(stream=stream, schedule=schedule, out=out)
     rows: list[dict[str, Any]] = []
-    wall: dict[str, float] = {}
-    stats: dict[str, dict] = {}
+    passes: dict[str, _ArmPass] = {}
+    cb = stream_cb_config(eng, stream)
     for pos, arm in enumerate(arms):
-        ep = ServedEndpoint(model, tokenizer, arm, skipper=sk, switch=switch if arm != "always-route" else None,
-                            cb_config=cb, served_model_name=f"vsk-served-{arm}", request_timeout_s=timeout_s)
-        t0 = time.perf_counter()
-        with ep:
-            got = run_stream(ep.completions_url, ep.served_model_name, stream, schedule, timeout_s=timeout_s)
-            stats[arm] = ep.stats()
-            received = dict(ep.received)
-        wall[arm] = time.perf_counter() - t0
-        gc.collect()
-        result.responses[arm] = got
-        for r in stream:
-            rec = got[r.request_id]
-            rows.append({"kind": "served_request", "suite": suite, "arm": arm, "order_position": pos,
-                         "request_id": r.request_id, "scored": r.scored, "task": r.task, "doc_id": r.doc_id,
-                         "n_prompt_tokens": len(r.prompt_ids), "max_tokens": r.max_tokens,
-                         "n_tokens": len(rec["token_ids"]), **{k: rec[k] for k in (
-                             "scheduled_s", "arrival_s", "finish_s", "e2e_s", "error", "finish_reason")},
-                         "vskipper": rec["vskipper"], **base, **prov})
-        failed = [r for r in stream if got[r.request_id]["error"] is not None]
-        if failed:
-            raise ServedStreamError(f"arm {arm}: {len(failed)} of {len(stream)} requests failed; first "
-                                    f"{failed[0].request_id}: {got[failed[0].request_id]['error']}", rows)
-        bad = [r.request_id for r in stream if received.get(r.request_id) != list(r.prompt_ids)]
-        if bad:
-            raise PromptMismatchError(f"arm {arm}: the engine received other prompt ids than the quality run fed on "
-                                      f"{len(bad)} request(s), first {bad[0]}")
+        passes[arm] = _serve_arm(model, tokenizer, arm, sk, switch, cb, stream, schedule, timeout_s)
+        result.responses[arm] = passes[arm].responses
+        rows += _request_rows(stream, passes[arm], suite, arm, pos, stamp)
+        _check_arm_pass(arm, stream, passes[arm], rows)
 
     # cut by the 2x2's stop rule and score with lm-eval
-    texts: dict[str, dict[tuple[str, int], str]] = {}
-    cut_ids: dict[str, dict[tuple[str, int], list[int]]] = {}
-    server_text_equal: dict[str, int] = {}
-    for arm in arms:
-        texts[arm], cut_ids[arm], server_text_equal[arm] = {}, {}, 0
-        for d in docs:
-            rec = result.responses[arm][d.request_id]
-            rule = StopRule(tokenizer, d.stop, eos_ids)
-            ids = rule.cut(rec["token_ids"][: d.max_tokens])
-            text = rule.text(ids)
-            texts[arm][(d.task, d.doc_id)] = text
-            cut_ids[arm][(d.task, d.doc_id)] = ids
-            server_text_equal[arm] += int(text == rec["text"])
-    ts = write_task_yamls(data_dir, out / "tasks", (suite,), opts)
+    eos_ids = eos_ids_of(model)
+    cuts = {arm: _cut_responses(docs, result.responses[arm], tokenizer, eos_ids) for arm in arms}
     hashes = {(d.task, d.doc_id): d.prompt_hash for d in docs}
-    with offline():
-        tm = TaskManager(include_path=str(ts.include_path), include_defaults=False)
-        for arm in arms:
-            lm = ReplayLM.make(texts[arm], hashes, tokenizer, max_length=max_length, add_bos_token=add_bos)
-            res = _evaluate(lm, ts, tm, limit, seed, opts.fewshot_seed)
-            sc = per_doc_scores(res.get("samples", {}), arm)
-            if set(sc) != set(hashes):
-                missing = sorted(set(hashes) - set(sc))[:5]
-                extra_docs = sorted(set(sc) - set(hashes))[:5]
-                raise ValueError(f"arm {arm}: lm-eval scored other documents than the quality run's requests "
-                                 f"(not scored: {missing}; not requested: {extra_docs}); same limit and options?")
-            result.scores[arm] = sc
-            write_json(out / f"lm_eval_{arm}.json", _jsonable({"results": res.get("results"), "arm": arm}))
+    result.scores = _score_arms(cuts, hashes, arms, tokenizer, data_dir, suite, out, opts, limit, seed,
+                                max_length=max_length, add_bos_token=add_bos)
 
     m_, f_ = PRIMARY_METRIC[suite]
     primary = f"{m_},{f_}"
     for arm in arms:
-        for d in docs:
-            key = (d.task, d.doc_id)
-            rec = result.responses[arm][d.request_id]
-            sc = result.scores[arm][key]
-            v = rec["vskipper"]
-            dr, rr = routed_decode_rows(len(d.prompt_ids), len(rec["token_ids"]), v.get("decode_routed_from"))
-            rows.append({"kind": "served_doc", "suite": suite, "arm": arm, "task": d.task, "doc_id": d.doc_id,
-                         "request_id": d.request_id, "prompt_hash": prompt_hash(list(d.prompt_ids)),
-                         "n_prompt_tokens": len(d.prompt_ids), "gen_ids": cut_ids[arm][key],
-                         "n_gen_tokens": len(cut_ids[arm][key]), "n_served_tokens": len(rec["token_ids"]),
-                         "response": texts[arm][key], "server_text": rec["text"], "finish_reason": rec["finish_reason"],
-                         "max_gen_toks": d.max_tokens, "metric": primary, "score": sc["scores"].get(primary),
-                         "scores": sc["scores"], "filtered": sc["filtered"], "target": sc.get("target"),
-                         "prefill_routed": v.get("prefill_routed"), "decode_routed_from": v.get("decode_routed_from"),
-                         "promoted": v.get("promoted"), "decode_rows": dr, "decode_routed_rows": rr,
-                         "scheduled_s": rec["scheduled_s"], "arrival_s": rec["arrival_s"], "e2e_s": rec["e2e_s"],
-                         **base, **prov})
+        rows += _doc_rows(docs, result.responses[arm], result.scores[arm], cuts[arm], suite, arm, primary, stamp)
+    lengths = {r.request_id: len(r.prompt_ids) for r in stream}
     shares: dict[str, dict[str, Any]] = {}
     for pos, arm in enumerate(arms):
-        got = result.responses[arm]
-        all_share = _arm_share(got.values(), lengths)
-        doc_share = _arm_share((got[d.request_id] for d in docs), lengths)
-        ms = (stats[arm].get("mode_switch") or {}).get("rows", {}).get("decode") or {}
-        tot = (ms.get("routed") or 0) + (ms.get("dense") or 0)
-        shares[arm] = {"routed_share": all_share["routed_share"], "routed_share_docs": doc_share["routed_share"],
-                       "prefill_routed_share": all_share["prefill_routed_share"],
-                       "switch_routed_share": (ms.get("routed", 0) / tot) if tot else
-                       (1.0 if arm == "always-route" else math.nan)}
-        e2e = [got[r.request_id]["e2e_s"] for r in stream]
-        arow = {"kind": "served_arm", "suite": suite, "arm": arm, "order_position": pos, "n_requests": len(stream),
-                "n_docs": len(docs), "n_padding": len(stream) - len(docs), "n_failed": 0, "rate": rate,
-                "window_s": schedule.window_s, "schedule_seed": schedule.seed, "wall_s": wall[arm],
-                "e2e_mean_s": _mean(e2e), "output_tokens": sum(len(got[r.request_id]["token_ids"]) for r in stream),
-                **all_share, "routed_share_docs": doc_share["routed_share"],
-                "decode_rows_docs": doc_share["decode_rows"],
-                "decode_routed_rows_docs": doc_share["decode_routed_rows"],
-                "switch_decode_rows": ms or None, "switch_routed_share": shares[arm]["switch_routed_share"],
-                "server_text_equal": server_text_equal[arm], "server_stats": _jsonable(stats[arm]), **base, **prov}
+        arow, shares[arm] = _arm_row(passes[arm], stream, docs, lengths, schedule, suite, arm, pos, rate,
+                                     cuts[arm].server_text_equal, stamp)
         rows.append(arow)
         result.arm_rows.append(arow)
 
-    treat, ref = arms
-    keys = sorted(hashes)
-    metrics = sorted(result.scores[treat][keys[0]]["scores"])
-    common = {"n_requests": len(stream), "n_padding": len(stream) - len(docs), "rate": rate,
-              "window_s": schedule.window_s, "schedule_seed": schedule.seed,
-              "tokens_equal": sum(cut_ids[treat][k] == cut_ids[ref][k] for k in keys),
-              **{f"routed_share_{a}": shares[a]["routed_share"] for a in arms},
-              **{f"routed_share_docs_{a}": shares[a]["routed_share_docs"] for a in arms},
-              **{f"prefill_routed_share_{a}": shares[a]["prefill_routed_share"] for a in arms},
-              **{f"switch_routed_share_{a}": shares[a]["switch_routed_share"] for a in arms},
-              **{f"e2e_mean_s_{r['arm']}": r["e2e_mean_s"] for r in result.arm_rows},
-              "prompt_hashes_equal": True}
-    for metric in metrics:
-        row = served_summary(result.scores, keys, metric, suite=suite, arms=arms)
-        row.update({"kind": "served_summary", "task": None, "primary": metric == primary, **common, **base, **prov})
-        result.summary.append(row)
-    names = sorted({k[0] for k in keys})
-    if len(names) > 1:
-        for name in names:
-            tkeys = [k for k in keys if k[0] == name]
-            row = served_summary(result.scores, tkeys, primary, suite=suite, arms=arms)
-            row.update({"kind": "served_summary", "task": name, "primary": True,
-                        "tokens_equal": sum(cut_ids[treat][k] == cut_ids[ref][k] for k in tkeys),
-                        "prompt_hashes_equal": True, **base, **prov})
-            result.summary.append(row)
+    result.summary = _summary_rows(result, cuts, shares, hashes, stream, docs, schedule, suite, arms, rate,
+                                   primary, stamp)
     rows += result.summary
     result.rows = rows
     write_jsonl(out / "served.jsonl", rows)

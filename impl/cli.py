@@ -302,7 +302,7 @@ def cmd_ar_bench(args) -> None:
 def cmd_decode(args) -> None:
     import torch
 
-    from .methods import decode_prompts, parse_exploration_set
+    from .methods import METHODS, decode_prompts, parse_exploration_set
     from .models.depth import num_layers
     from .models.load import load_model, load_tokenizer
     from .provenance import provenance, write_jsonl
@@ -311,21 +311,22 @@ def cmd_decode(args) -> None:
     if args.method != "dex" and (args.exploration_set or args.explorers or args.decs or args.single_exit
                                  or args.adapters):
         raise SystemExit("error: --exploration-set/--explorers/--decs/--single-exit/--adapters apply to --method dex only")
-    torch.set_num_threads(args.threads)
-    model = load_model(args.model_dir, dtype=getattr(torch, args.dtype))
-    tok = load_tokenizer(args.model_dir)
     params: dict = {}
     if args.params:
         if args.method in ("ar", "dex"):
-            raise SystemExit("error: --params applies to the baselines (self_spec, adadecode, dynamic_exit)")
+            raise SystemExit("error: --params applies to the methods with parameters ("
+                             + ", ".join(m for m in METHODS if m not in ("ar", "dex")) + "), not to " + args.method)
         try:
             params = json.loads(args.params)
         except json.JSONDecodeError as e:
             raise SystemExit(f"error: --params is not valid JSON: {e}") from None
         if not isinstance(params, dict):
             raise SystemExit("error: --params must be a JSON object")
-    elif args.method in ("self_spec", "adadecode", "hf_early_exit"):
+    elif args.method in ("self_spec", "adadecode", "hf_early_exit", "hf_prompt_lookup", "hf_assisted", "lookahead"):
         raise SystemExit(f"error: --method {args.method} needs --params (see python -m impl decode --help)")
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model_dir, dtype=getattr(torch, args.dtype))
+    tok = load_tokenizer(args.model_dir)
     if args.method == "dex":
         try:
             params = {"exploration_set": parse_exploration_set(args.exploration_set, args.explorers,
@@ -591,11 +592,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompts", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--max-new-tokens", type=positive_int, help="override ar_bench.max_new_tokens")
-    sp = add("decode", cmd_decode, "decode a prompt file with one method (ar, dex, self_spec, adadecode, dynamic_exit, hf_early_exit); "
+    sp = add("decode", cmd_decode, f"decode a prompt file with one method ({', '.join(METHODS)}); "
              "each row checked against AR")
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--method", required=True, choices=list(METHODS))
-    sp.add_argument("--params", help="baseline parameters as JSON, e.g. '{\"exit_layer\": 4, \"num_speculations\": 4}'")
+    sp.add_argument("--params", help="the method's parameters as JSON (every method but ar and dex), e.g. self_spec "
+                    "'{\"exit_layer\": 4, \"num_speculations\": 4}', lookahead "
+                    "'{\"window\": 5, \"ngram\": 4, \"max_candidates\": 5}'")
     sp.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids or text")
     sp.add_argument("--out", required=True)
     sp.add_argument("--max-new-tokens", type=positive_int, default=64)

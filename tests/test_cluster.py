@@ -22,7 +22,7 @@ from impl.config import validate_config
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_CONFIGS = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
 PROFILE = ROOT / "profiles" / "slurm" / "config.yaml"
-GPU_RULES = ("measure_ead", "ar_bench", "train_model", "train_adapters", "dex_cell", "tev_train", "tev_cell",
+GPU_RULES = ("measure_ead", "ar_bench", "train_model", "train_adapters", "train_draft", "dex_cell", "tev_train", "tev_cell",
              "tev_latency", "vskipper_train_flexidepth", "vskipper_profile", "vskipper_knee", "vskipper_cell",
              "vskipper_ablation", "vskipper_randomskip", "vskipper_http", "vskipper_model_train_flexidepth",
              "vskipper_model_profile", "vskipper_model_knee", "vskipper_model_cell")

@@ -30,21 +30,21 @@ def _one_thread():
 
 # ------------------------------------------------------------------------------ hand-built layout
 def test_step_layout_is_the_papers_tree():
-    """W = 3, N = 3, two candidates: the root, the candidates as chains from it, the first level's
-    columns 1..2 as a chain from the root and the second level's tokens under their column's first-
-    level token (column 0's under the root); depths are the offsets i + j."""
-    window = [[90, 11, 12], [20, 21, 22]]
+    """W = 3, N = 3, two candidates: the root, the candidates as chains from it, the first level as a
+    chain from the root and each second-level token under its column's first-level token; depths
+    are the offsets i + j + 1."""
+    window = [[10, 11, 12], [20, 21, 22]]
     lay = step_layout(7, window, [(1, 2), (3, 4)])
-    assert lay.tokens == [7, 1, 2, 3, 4, 11, 12, 20, 21, 22]
-    assert lay.parents == [-1, 0, 1, 0, 3, 0, 5, 0, 5, 6]
-    assert lay.depths == [0, 1, 2, 1, 2, 1, 2, 1, 2, 3]
+    assert lay.tokens == [7, 1, 2, 3, 4, 10, 11, 12, 20, 21, 22]
+    assert lay.parents == [-1, 0, 1, 0, 3, 0, 5, 6, 5, 6, 7]
+    assert lay.depths == [0, 1, 2, 1, 2, 1, 2, 3, 2, 3, 4]
     assert lay.candidate_rows == [[1, 2], [3, 4]]
-    assert lay.window_rows == [[0, 5, 6], [7, 8, 9]]
+    assert lay.window_rows == [[5, 6, 7], [8, 9, 10]]
     mask = tree_attention_mask(lay.parents, 4)[0, 0]
-    # V[1][2] (row 9) sees the prefix, the root, V[0][1], V[0][2] and itself; not the candidates
-    assert mask[9].tolist() == [True] * 4 + [True, False, False, False, False, True, True, False, False, True]
+    # V[1][2] (row 10) sees the prefix, the root, V[0][0..2] and itself; not the candidates
+    assert mask[10].tolist() == [True] * 4 + [True, False, False, False, False, True, True, True, False, False, True]
     # the second candidate's second token sees the root, its first token and itself only
-    assert mask[4, 4:].tolist() == [True, False, False, True, True, False, False, False, False, False]
+    assert mask[4, 4:].tolist() == [True, False, False, True, True, False, False, False, False, False, False]
 
 
 def test_verify_takes_the_longest_matching_candidate():

@@ -207,3 +207,10 @@ def check(out: dict[str, Any]) -> None:
     if any(out["models"][m]["kind"] == "tiny" for m in d["models"]) and need > out["tiny_arch"]["max_position_embeddings"]:
         raise ConfigError(f"config: 'max_prompt_tokens' + 'dex.max_new_tokens' = {need} exceeds "
                           f"'tiny_arch.max_position_embeddings'")
+    la = (d.get("speculative") or {}).get("lookahead")
+    if la is not None and any(out["models"][m]["kind"] == "tiny" for m in d["models"]):
+        W, N = la.get("window", LookaheadArm().window), la.get("ngram", LookaheadArm().ngram)
+        if need + W + N - 3 > out["tiny_arch"]["max_position_embeddings"]:
+            raise ConfigError(f"config: 'max_prompt_tokens' + 'dex.max_new_tokens' + the lookahead window "
+                              f"(window + ngram - 3 = {W + N - 3}) = {need + W + N - 3} exceeds "
+                              f"'tiny_arch.max_position_embeddings'")

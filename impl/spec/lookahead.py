@@ -5,14 +5,15 @@ Lookahead decoding needs no draft model: one forward per step runs two branches 
 token (the *root*, the last committed id, whose KV is not yet cached).
 
 * **Lookahead branch.** A 2D window ``V`` of ``N - 1`` levels x ``W`` columns of guessed tokens; the
-  token at level ``j``, column ``i`` guesses the position ``i + j`` after the root (``V[0][0]`` is the
-  root itself). Column ``i`` is one causal chain: the root, ``V[0][1..i]``, then ``V[1][i], ..,
-  V[N-2][i]`` (the paper's Fig. 2 mask: a lookahead token sees the prefix, the first level up to its
-  column and the earlier levels of its own column). The last level's outputs are one Jacobi update:
-  the levels shift up by one and the outputs become the new last level.
+  token at level ``j``, column ``i`` guesses the position ``i + j + 1`` after the root. Column ``i`` is
+  one causal chain: the root, ``V[0][0..i]``, then ``V[1][i], .., V[N-2][i]`` (the paper's Fig. 2 mask:
+  a lookahead token sees the prefix, the root, the first level up to its column and the earlier
+  levels of its own column). The last level's outputs are one Jacobi update: the levels shift up by
+  one and the outputs become the new last level (aligned when the step commits one token; after a
+  longer accepted run the window lags, which costs acceptance, never exactness).
 * **n-gram pool.** Each column's trajectory ``(V[0][i], V[1][i], .., V[N-2][i], output_i)`` is an
-  n-gram (``N`` tokens) stored under its first token (the root for column 0); at most ``G`` per first
-  token, the most recent first.
+  n-gram (``N`` tokens) stored under its first token; at most ``G`` per first token, the most recent
+  first.
 * **Verification branch.** Up to ``G`` n-grams whose first token is the root; each continuation
   (``N - 1`` tokens) is a chain from the root.
 
@@ -32,7 +33,7 @@ n-grams that verification rejects).
 
 Accounting (as every method in :mod:`impl.spec`, prompt prefill excluded): a step over ``S`` rows
 charges ``layer_work = S * L`` and ``critical_layers = L`` (one full-depth pass), ``S = 1 + G'(N - 1)
-+ (W - 1) + (N - 2) W`` with ``G'`` the candidates found.
++ (N - 1) W`` with ``G'`` the candidates found.
 
 Source: Fu, Bailis, Stoica, Zhang, "Break the Sequential Dependency of LLM Inference Using Lookahead
 Decoding" (ICML 2024, arXiv:2402.02057), Sec. 3 (lookahead branch, verification branch, Fig. 2 mask,
@@ -67,7 +68,7 @@ class LookaheadStep:
     Attributes:
         drafted: candidate tokens verified (``G' * (N - 1)``, ``G'`` the pooled n-grams of the root).
         candidates: ``G'``.
-        accepted: leading tokens of the best candidate equal to the target's decodes.
+        accepted: leading tokens of the best candidate equal to the target's decodes and committed.
         committed: tokens appended (accepted + 1, fewer only where EOS or the budget cut the step).
         rows: ``S``, the rows of the step's forward.
         layer_work: ``S * L``.
@@ -128,7 +129,7 @@ class StepLayout:
         parents: ``S`` parent rows (row 0: -1), topological.
         depths: ``S`` offsets from the root's position.
         candidate_rows: per verified candidate, its ``N - 1`` rows (a chain from the root).
-        window_rows: ``[N - 1][W]`` the row of each window token (``window_rows[0][0] == 0``, the root).
+        window_rows: ``[N - 1][W]`` the row of each window token.
     """
 
     tokens: list[int]
@@ -140,12 +141,12 @@ class StepLayout:
 
 def step_layout(root: int, window: list[list[int]], candidates: list[tuple[int, ...]]) -> StepLayout:
     """Lay out one step: the root, the verification branch (each candidate a chain from the root), then
-    the lookahead branch (first level columns ``1..W-1`` as a chain from the root, each later level's
-    token a child of the level above in its column), as in Fu et al. Fig. 2.
+    the lookahead branch (the first level as a chain from the root, each later level's token a child of
+    the level above in its column), as in Fu et al. Fig. 2.
 
     Args:
         root: the current token.
-        window: ``[N - 1][W]`` token ids (``window[0][0]`` is ignored: the root takes its place).
+        window: ``[N - 1][W]`` token ids.
         candidates: continuations of ``N - 1`` tokens each.
 
     Returns:
@@ -169,8 +170,8 @@ def step_layout(root: int, window: list[list[int]], candidates: list[tuple[int, 
         cand_rows.append(rows)
     levels, width = len(window), len(window[0])
     look = [[0] * width for _ in range(levels)]
-    for i in range(1, width):
-        look[0][i] = add(window[0][i], look[0][i - 1])
+    for i in range(width):
+        look[0][i] = add(window[0][i], look[0][i - 1] if i else 0)
     for j in range(1, levels):
         for i in range(width):
             look[j][i] = add(window[j][i], look[j - 1][i])
@@ -249,7 +250,8 @@ def lookahead_decode(
     ids = _check_decode_args(model, input_ids, max_new_tokens, eos_token_id)
     W, N, G = check_lookahead_params(window, ngram, max_candidates)
     ctx = getattr(model.config, "max_position_embeddings", None)
-    if ctx is not None and len(ids) + max_new_tokens + W + N > ctx:
+    # the deepest row of the last step: position (P + max_new - 2) + W + N - 2 (a window token)
+    if ctx is not None and len(ids) + max_new_tokens + W + N - 3 > ctx:
         raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens + the lookahead window "
                          f"(W={W}, N={N}) exceeds the context of {ctx}")
     L = num_layers(model)
@@ -307,7 +309,7 @@ def lookahead_decode(
                 first = lay.tokens[lay.window_rows[0][i]]
                 pool.add(first, tuple(lay.tokens[lay.window_rows[j][i]] for j in range(1, N - 1)) + (new_level[i],))
         win = [[lay.tokens[r] for r in lay.window_rows[j]] for j in range(1, N - 1)] + [list(new_level)]
-        steps.append(LookaheadStep(drafted=len(cands) * (N - 1), candidates=len(cands), accepted=a,
+        steps.append(LookaheadStep(drafted=len(cands) * (N - 1), candidates=len(cands), accepted=min(a, len(new)),
                                    committed=len(new), rows=S, layer_work=S * L, critical_layers=L))
     _sync(device)
     return LookaheadResult(tokens=tokens, stopped_at_eos=stopped, rounds=steps,

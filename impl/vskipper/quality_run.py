@@ -268,10 +268,7 @@ def _arm_lm(arm: str, s: _ArmSetup):
     finally:
         if endpoint is not None:
             endpoint.close()
-        del lm, model, endpoint
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        del lm, model, endpoint  # the caller drops its own references and collects
 
 
 def _doc_rows(result: QualityResult, arms: Sequence[str], prov: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -477,6 +474,10 @@ def run_quality(
                     result.served_stats[arm] = endpoint.stats()
                     agg.update(server_arm=SERVER_ARM[arm], server_stats=result.served_stats[arm])
                 write_json(out / f"lm_eval_{arm}.json", _jsonable(agg))
+            del lm, endpoint  # the arm's model goes before the next arm loads its own
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     n_docs = check_prompt_hashes(result.records)
     result.requests = request_rows(result.records[arms[0]], ts.suite_of, max_length=max_length,

@@ -775,6 +775,7 @@ def run_served_knee(
         "options": opts.to_dict(), "timeout_s": timeout_s}
     prov = provenance(cfg, seed=seed, device=device, dtype=dtype, run_id=run_id)
     stamp = {**base, **prov}
+    cb = stream_cb_config(eng, stream)
 
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype=getattr(torch, dtype)).to(device)
@@ -782,7 +783,6 @@ def run_served_knee(
     result = ServedKneeResult(stream=stream, schedule=schedule, out=out)
     rows: list[dict[str, Any]] = []
     passes: dict[str, _ArmPass] = {}
-    cb = stream_cb_config(eng, stream)
     for pos, arm in enumerate(arms):
         passes[arm] = _serve_arm(model, tokenizer, arm, sk, switch, cb, stream, schedule, timeout_s)
         result.responses[arm] = passes[arm].responses

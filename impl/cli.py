@@ -322,7 +322,8 @@ def cmd_decode(args) -> None:
             raise SystemExit(f"error: --params is not valid JSON: {e}") from None
         if not isinstance(params, dict):
             raise SystemExit("error: --params must be a JSON object")
-    elif args.method in ("self_spec", "adadecode", "hf_early_exit", "hf_prompt_lookup", "hf_assisted", "lookahead"):
+    elif args.method in ("self_spec", "adadecode", "hf_early_exit", "hf_prompt_lookup", "hf_assisted", "lookahead",
+                         "dflash_chain"):
         raise SystemExit(f"error: --method {args.method} needs --params (see python -m impl decode --help)")
     torch.set_num_threads(args.threads)
     model = load_model(args.model_dir, dtype=getattr(torch, args.dtype))
@@ -389,7 +390,7 @@ def cmd_dex_cell(args) -> None:
         extra, tuning = tune_baselines(model, tune, d, L, d.max_new_tokens, eos)
         arms += extra
     if not adapters:  # Fig. 5's speculative arms, on the plain model as the baselines
-        arms += speculative_arms(d, args.draft)
+        arms += speculative_arms(d, args.draft, args.tev_drafters)
     rows = run_cell(model, prompts, arms, max_new_tokens=d.max_new_tokens, eos=eos, seed=core_config(cfg).seed,
                     adapters=adapters, progress=not args.quiet)
     prov = run_provenance(cfg)
@@ -620,6 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--adapters", help="inducing adapter directory (DEX arms only)")
     sp.add_argument("--draft", help="the model's draft model directory (train-draft), for dex.speculative.assisted")
+    sp.add_argument("--tev-drafters", help="the model's TEV drafters directory (tev-train), for dex.speculative.dflash")
     sp.add_argument("--prompts", required=True, help="token-id suite: first dex.n_prompts evaluated, the next "
                     "dex.baselines.tune_prompts used for tuning")
     sp.add_argument("--out", required=True)

@@ -27,12 +27,15 @@ from .spec.hf_prompt_lookup import check_hf_prompt_lookup_params, hf_prompt_look
 from .spec.lookahead import check_lookahead_params, lookahead_decode
 from .spec.sampling import DecodeRule
 from .spec.self_spec import check_self_spec_params, self_spec_decode
+from .tev.decode import tev_decode
+from .tev.drafter import BlockDrafter
 
 BASELINE_PARAMS = {
     "self_spec": ("exit_layer", "num_speculations"),
     "adadecode": ("shortcut_layers", "threshold", "num_speculations"),
     "dynamic_exit": ("exit_layers", "num_speculations", "confidence_threshold"),
     "lookahead": ("window", "ngram", "max_candidates", "seed"),
+    "dflash_chain": ("drafter", "depth"),
 }
 
 
@@ -80,7 +83,10 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
     ``assistant`` (a model directory), ``num_assistant_tokens``; :mod:`impl.spec.hf_assisted`).
     Draft-free speculation: ``lookahead`` (Lookahead decoding, Fu et al. 2024: ``window`` W, ``ngram`` N,
     ``max_candidates`` G, optional ``seed`` of the window's start; greedy or sampled;
-    :mod:`impl.spec.lookahead`).
+    :mod:`impl.spec.lookahead`). Trained draft head: ``dflash_chain`` (TEV's DFlash-style block
+    drafter, ``drafter`` a directory saved by :meth:`impl.tev.drafter.BlockDrafter.save`, drafting a
+    chain of ``depth`` tokens verified in one target pass: the EAGLE-style arm of DEX Fig. 5; greedy
+    only; :func:`impl.tev.decode.tev_decode` with ``tree_mode="chain"``).
 
     Params (DEX): ``exploration_set`` (tuple of depths), ``decs`` (bool), ``single_exit`` (bool),
     ``dedupe`` (bool); ``adapters``: inducing adapters by depth (DEX App. C.2), the ones at the
@@ -257,6 +263,34 @@ def _lookahead(model, rule: DecodeRule, params: dict, adapters, L: int):
     seed = params.get("seed", 0)
     return _spec_row(lambda ids, n, eos: lookahead_decode(model, ids, n, window=W, ngram=N, max_candidates=G,
                                                           rule=rule, eos_token_id=eos, seed=seed))
+
+
+
+@METHODS.register("dflash_chain", aliases=("trained_head",))
+def _dflash_chain(model, rule: DecodeRule, params: dict, adapters, L: int):
+    _check_names("dflash_chain", params, BASELINE_PARAMS["dflash_chain"], ("drafter", "depth"))
+    if rule.temperature != 0:
+        raise ValueError("dflash_chain runs greedy here (at T > 0 TEV's verifiers are exact in distribution, "
+                         "not token for token with AR; the TEV cells cover that)")
+    d = params["drafter"]
+    drafter = d if hasattr(d, "block_size") else BlockDrafter.load(d, model)
+    depth = params["depth"]
+    H = int(drafter.block_size)
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= H:
+        raise ValueError(f"dflash_chain: depth={depth!r} must be an int in [1, the drafter's block size {H}]")
+
+    n_draft_layers = int(drafter.config.n_layers)
+
+    def run_chain(ids, n, eos):
+        t0 = time.perf_counter()
+        r = tev_decode(model, drafter, ids, n, budget=depth, depth=depth, verifier="tev", temperature=0.0,
+                       eos_token_id=eos, tree_mode="chain")
+        return {"token_ids": r.tokens, "seconds": time.perf_counter() - t0, "stopped_at_eos": r.stopped_at_eos,
+                # per round: the drafter's block pass (its own layers, the target's width) + one target pass
+                "critical_layers_total": (L + n_draft_layers) * r.rounds, "spec_rounds": r.rounds,
+                "drafted": sum(r.tree_sizes),
+                "accepted": sum(t - 1 for t in r.taus)}
+    return run_chain
 
 
 def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: dict, rule: DecodeRule,

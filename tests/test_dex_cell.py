@@ -187,9 +187,17 @@ def test_speculative_arms_run_in_the_cell_and_fill_the_fig5_table(tiny_model, tm
     assert (tmp_path / "none.png").stat().st_size > 500
 
 
-def test_assisted_arm_needs_a_draft_in_the_config():
+def test_speculative_arms_check_their_sources_in_the_config():
     from impl.config import ConfigError
     from conftest import smoke_config
 
-    with pytest.raises((ConfigError, SystemExit), match="dex.speculative.assisted"):
+    with pytest.raises(ConfigError, match="dex.speculative.assisted"):
         smoke_config(dex={"draft": None, "speculative": {"assisted": {"num_assistant_tokens": 2}}})
+    with pytest.raises(ConfigError, match="dflash.depth"):
+        smoke_config(dex={"speculative": {"dflash": {"depth": 5}}})  # smoke's tev.drafter.block_size is 4
+    with pytest.raises(ConfigError, match="needs a model of 'dex.models' in 'tev.models'"):
+        smoke_config(dex={"models": ["tiny-std"], "speculative": {"dflash": {"depth": 2}}})  # tev.models: tiny-ls
+    with pytest.raises(ConfigError, match="lookahead window"):
+        smoke_config(dex={"speculative": {"lookahead": {"window": 300}}})
+    cfg = smoke_config(dex={"speculative": {"dflash": {"objective": "base", "depth": 2}}})
+    assert cfg["dex"]["speculative"]["dflash"] == {"objective": "base", "depth": 2}

@@ -62,13 +62,18 @@ def model_path(wildcards):
 
 def dex_cell_inputs(w):
     """Inputs of a DEX cell; an adapted variant (impl.dex.cell.variant_name) adds the model's inducing
-    adapters (rule train_adapters), a plain one its draft model when dex.speculative.assisted is on."""
+    adapters (rule train_adapters), a plain one its draft model when dex.speculative.assisted is on and its
+    TEV drafters when dex.speculative.dflash is on and TEV trains the model."""
     base, adapted = split_variant(w.variant)
     d = {"prompts": f"{RESULTS}/workloads/{base}/{w.suite}.jsonl", "model": str(model_dir(CFG, base))}
     if adapted:
         d["adapters"] = f"{MODELS}/adapters/{base}"
-    elif (DEX.get("speculative") or {}).get("assisted") is not None:
-        d["draft"] = f"{MODELS}/{base}-draft"  # Fig. 5's assisted arm decodes with it (rule train_draft)
+    else:
+        spec = DEX.get("speculative") or {}
+        if spec.get("assisted") is not None:
+            d["draft"] = f"{MODELS}/{base}-draft"  # Fig. 5's assisted arm decodes with it (rule train_draft)
+        if spec.get("dflash") is not None and base in ((CFG.get("tev") or {}).get("models") or []):
+            d["tev_drafters"] = f"{MODELS}/tev/{base}"  # the trained-head arm's drafters (rule tev_train)
     return d
 
 

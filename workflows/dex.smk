@@ -40,6 +40,7 @@ if DEX:
             cfg=EFFECTIVE_CONFIG,
             adapters=lambda w, input: f"--adapters {input.adapters}" if "adapters" in input.keys() else "",
             draft=lambda w, input: f"--draft {input.draft}" if "draft" in input.keys() else "",
+            tev=lambda w, input: f"--tev-drafters {input.tev_drafters}" if "tev_drafters" in input.keys() else "",
             sig=lambda w: sig("seed", "threads", "device", "dtype",
                               dex={k: v for k, v in DEX.items()
                                    if k not in ("models", "workloads", "adapters", "distributed", "draft")}),
@@ -48,7 +49,7 @@ if DEX:
             f"{LOGS}/dex/{{variant}}/{{suite}}.log",
         shell:
             "python -m impl dex-cell --config-json @{params.cfg} --quiet --variant {wildcards.variant} "
-            "--model-dir {input.model} {params.adapters} {params.draft} --prompts {input.prompts} --out {output} 2> {log}"
+            "--model-dir {input.model} {params.adapters} {params.draft} {params.tev} --prompts {input.prompts} --out {output} 2> {log}"
 
     DIST = DEX["distributed"]
     DIST_MODEL, DIST_SUITE = DEX["models"][0], DEX["workloads"][0]

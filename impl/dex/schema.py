@@ -16,7 +16,7 @@ from ..sections import Section, section_defaults, section_schema, typed_section
 from ..workloads.suites import SUITES
 
 __all__ = ["dex_section", "DexSection", "Distributed", "Decs", "Adapters", "Baselines", "Draft", "Speculative",
-           "PromptLookup", "LookaheadArm", "AssistedArm", "DEFAULTS", "SECTION", "check"]
+           "PromptLookup", "LookaheadArm", "AssistedArm", "TrainedHead", "DEFAULTS", "SECTION", "check"]
 
 PosInt = Annotated[int, Field(ge=1)]
 PosNum = Annotated[float, Field(gt=0)]
@@ -116,6 +116,15 @@ class AssistedArm(Section):
     num_assistant_tokens: PosInt = Field(4, description="draft tokens per verification")
 
 
+class TrainedHead(Section):
+    """``dex.speculative.dflash``: the trained draft head arm (method ``dflash_chain``): TEV's DFlash-style
+    block drafter of the model (rule tev_train) drafting a chain verified in one target pass."""
+
+    objective: Literal["base", "token", "prefix", "exit"] = Field(
+        "exit", description="which of the model's TEV drafters (base, or an ExitTrain objective)")
+    depth: PosInt = Field(4, description="chain length (at most tev.drafter.block_size)")
+
+
 class Speculative(Section):
     """``dex.speculative``: the speculative arms of Fig. 5, run greedy in every DEX cell of a plain
     (not adapted) model beside AR, DEX and the baselines; null = that arm is off."""
@@ -123,6 +132,8 @@ class Speculative(Section):
     prompt_lookup: PromptLookup | None = None
     lookahead: LookaheadArm | None = None
     assisted: AssistedArm | None = Field(None, description="needs dex.draft (the draft model)")
+    dflash: TrainedHead | None = Field(None, description="in the cells of the models in tev.models (their TEV "
+                                                         "drafters)")
 
 
 class DexSection(Section):
@@ -176,8 +187,23 @@ def check(out: dict[str, Any]) -> None:
     for i, m in enumerate(d["adapters"]["models"]):
         if m not in d["models"]:
             raise ConfigError(f"config: 'dex.adapters.models[{i}]' names '{m}', which is not in 'dex.models'")
-    if (d.get("speculative") or {}).get("assisted") is not None and d.get("draft") is None:
+    spec = d.get("speculative") or {}
+    if spec.get("assisted") is not None and d.get("draft") is None:
         raise ConfigError("config: 'dex.speculative.assisted' needs 'dex.draft' (the draft model it decodes with)")
+    fl = spec.get("dflash")
+    if fl is not None:
+        tev = out.get("tev")
+        if not tev or not set(tev.get("models") or []) & set(d["models"]):
+            raise ConfigError("config: 'dex.speculative.dflash' needs a model of 'dex.models' in 'tev.models' "
+                              "(its TEV drafters)")
+        H = (tev.get("drafter") or {}).get("block_size")
+        if H is not None and fl.get("depth", TrainedHead().depth) > H:
+            raise ConfigError(f"config: 'dex.speculative.dflash.depth' = {fl.get('depth', TrainedHead().depth)} "
+                              f"exceeds 'tev.drafter.block_size' = {H}")
+        objs = ["base"] + list((tev.get("exittrain") or {}).get("objectives") or [])
+        if fl.get("objective", TrainedHead().objective) not in objs:
+            raise ConfigError(f"config: 'dex.speculative.dflash.objective' = {fl.get('objective', 'exit')!r} is not "
+                              f"a drafter the TEV rules train ({', '.join(objs)})")
     for i, w in enumerate(d["workloads"]):
         if w not in out["workloads"]:
             raise ConfigError(f"config: 'dex.workloads[{i}]' names '{w}', which is not a key of 'workloads'")

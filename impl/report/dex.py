@@ -157,7 +157,8 @@ def claims_table(df: pd.DataFrame, arms: pd.DataFrame) -> pd.DataFrame:
 
 #: the speculative arms of Fig. 5 (``dex.speculative``) and the library early-exit reference
 FIG5_KINDS = {"prompt_lookup": "speculative (no draft model)", "lookahead": "speculative (no draft model)",
-              "assisted": "speculative (draft model)", "hf_early_exit": "library early exit"}
+              "assisted": "speculative (draft model)", "dflash_chain": "speculative (trained draft head)",
+              "hf_early_exit": "library early exit"}
 
 
 def fig5_table(df: pd.DataFrame, arms: pd.DataFrame) -> pd.DataFrame:

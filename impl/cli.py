@@ -323,7 +323,7 @@ def cmd_decode(args) -> None:
         if not isinstance(params, dict):
             raise SystemExit("error: --params must be a JSON object")
     elif args.method in ("self_spec", "adadecode", "hf_early_exit", "hf_prompt_lookup", "hf_assisted", "lookahead",
-                         "dflash_chain"):
+                         "dflash_chain", "pearl"):
         raise SystemExit(f"error: --method {args.method} needs --params (see python -m impl decode --help)")
     torch.set_num_threads(args.threads)
     model = load_model(args.model_dir, dtype=getattr(torch, args.dtype))
@@ -366,8 +366,9 @@ def cmd_dex_cell(args) -> None:
 
     cfg = config_from_args(args)
     d = dex_section(cfg)
-    if d.speculative.assisted is not None and not args.adapters and not args.draft:
-        raise SystemExit("error: dex.speculative.assisted is on: give the model's draft model with --draft DIR "
+    if (d.speculative.assisted is not None or d.speculative.pearl is not None) and not args.adapters \
+            and not args.draft:
+        raise SystemExit("error: dex.speculative.assisted / pearl is on: give the model's draft model with --draft DIR "
                          "(rule train_draft's output)")
     set_threads(cfg)
     model = load_for(cfg, args.model_dir)

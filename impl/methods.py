@@ -25,6 +25,7 @@ from .models.load import load_model
 from .spec.hf_assisted import check_hf_assisted, hf_assisted_decode
 from .spec.hf_prompt_lookup import check_hf_prompt_lookup_params, hf_prompt_lookup_decode
 from .spec.lookahead import check_lookahead_params, lookahead_decode
+from .spec.pearl import check_pearl, pearl_decode
 from .spec.sampling import DecodeRule
 from .spec.self_spec import check_self_spec_params, self_spec_decode
 from .tev.decode import tev_decode
@@ -36,6 +37,7 @@ BASELINE_PARAMS = {
     "dynamic_exit": ("exit_layers", "num_speculations", "confidence_threshold"),
     "lookahead": ("window", "ngram", "max_candidates", "seed"),
     "dflash_chain": ("drafter", "depth"),
+    "pearl": ("draft", "gamma"),
 }
 
 
@@ -86,7 +88,10 @@ def build_method(name: str, model, rule: DecodeRule, params: dict[str, Any],
     :mod:`impl.spec.lookahead`). Trained draft head: ``dflash_chain`` (TEV's DFlash-style block
     drafter, ``drafter`` a directory saved by :meth:`impl.tev.drafter.BlockDrafter.save`, drafting a
     chain of ``depth`` tokens verified in one target pass: the EAGLE-style arm of DEX Fig. 5; greedy
-    only; :func:`impl.tev.decode.tev_decode` with ``tree_mode="chain"``).
+    only; :func:`impl.tev.decode.tev_decode` with ``tree_mode="chain"``). Parallel draft-and-verify:
+    ``pearl`` (PEARL, Liu et al. 2025: ``draft`` a model directory over the same vocabulary, ``gamma``
+    the window; greedy or sampled; single-process executor whose rows add ``projected_seconds``, the
+    two-device time; :mod:`impl.spec.pearl`).
 
     Params (DEX): ``exploration_set`` (tuple of depths), ``decs`` (bool), ``single_exit`` (bool),
     ``dedupe`` (bool); ``adapters``: inducing adapters by depth (DEX App. C.2), the ones at the
@@ -291,6 +296,28 @@ def _dflash_chain(model, rule: DecodeRule, params: dict, adapters, L: int):
                 "drafted": sum(r.tree_sizes),
                 "accepted": sum(t - 1 for t in r.taus)}
     return run_chain
+
+
+
+@METHODS.register("pearl")
+def _pearl(model, rule: DecodeRule, params: dict, adapters, L: int):
+    _check_names("pearl", params, BASELINE_PARAMS["pearl"], ("draft", "gamma"))
+    d = params["draft"]
+    draft = d if hasattr(d, "generate") else load_model(d, dtype=next(model.parameters()).dtype)
+    draft = draft.to(next(model.parameters()).device).eval()
+    g = check_pearl(model, draft, params["gamma"])
+
+    def run_pearl(ids, n, eos):
+        r = pearl_decode(model, draft, ids, n, gamma=g, rule=rule, eos_token_id=eos)
+        kinds = [x.kind for x in r.rounds]
+        return {"token_ids": r.tokens, "seconds": r.seconds, "stopped_at_eos": r.stopped_at_eos,
+                "critical_layers_total": r.critical_layers, "layer_work_total": r.layer_work,
+                "projected_seconds": r.projected_seconds, "prefill_seconds": r.prefill_seconds,
+                "critical_path_seconds": r.projected_seconds,  # the two-device time, as DEX's K-device one
+                "spec_rounds": len(r.rounds), "drafted": sum(x.drafted for x in r.rounds),
+                "accepted": sum(x.accepted for x in r.rounds), "target_passes": r.target_passes,
+                "draft_passes": r.draft_passes, "rounds_by_kind": {k: kinds.count(k) for k in sorted(set(kinds))}}
+    return run_pearl
 
 
 def decode_prompts(model, tokenizer, prompts: list[dict], method: str, params: dict, rule: DecodeRule,

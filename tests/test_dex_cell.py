@@ -156,22 +156,25 @@ def test_speculative_arms_run_in_the_cell_and_fill_the_fig5_table(tiny_model, tm
     tiny_model.save_pretrained(draft)  # the model itself as its draft: every draft is accepted
     d = _cfg(explorers=[4], single_exit=False, decs={"explorers": [], "temperatures": [0.0]},
              speculative={"prompt_lookup": {"num_tokens": 3}, "lookahead": {"window": 3, "ngram": 3},
-                          "assisted": {"num_assistant_tokens": 2}})
+                          "assisted": {"num_assistant_tokens": 2}, "pearl": {"gamma": 2}})
     spec = speculative_arms(d, str(draft))
     assert [(a.name, a.method, a.figure) for a in spec] == [
         ("prompt_lookup", "hf_prompt_lookup", "fig5"), ("lookahead", "lookahead", "fig5"),
-        ("assisted", "hf_assisted", "fig5")]
+        ("assisted", "hf_assisted", "fig5"), ("pearl", "pearl", "fig5")]
     with pytest.raises(ValueError, match="draft"):
         speculative_arms(d, None)
     assert speculative_arms(_cfg()) == []  # off by default
     prompts = [{"id": f"p{i}", "suite": "gsm8k", "input_ids": ids} for i, ids in
                enumerate([[5, 17, 42, 8], [1, 2, 3], [9, 9, 4, 4, 9, 9]])]
     rows = run_cell(tiny_model, prompts, dex_arms(d, 12) + spec, max_new_tokens=10, eos=None, seed=0)
-    assert all(r["ar_match"] for r in rows if r["figure"] == "fig5") and sum(r["figure"] == "fig5" for r in rows) == 9
+    assert all(r["ar_match"] for r in rows if r["figure"] == "fig5") and sum(r["figure"] == "fig5" for r in rows) == 12
     for r in rows:
         r.update(kind="decode", variant="m", num_layers=12)
     f5 = dex_tables(rows, [])["dex_fig5"]
-    assert list(f5["arm"]) == ["ar", "dex-1/4", "prompt_lookup", "lookahead", "assisted"]
+    assert list(f5["arm"]) == ["ar", "dex-1/4", "prompt_lookup", "lookahead", "assisted", "pearl"]
+    # PEARL's two-device time and DEX's K-device time give a projected speedup; the one-device arms none
+    proj = f5.set_index("arm")["projected_speedup"]
+    assert proj["pearl"] > 0 and proj["dex-1/4"] > 0 and proj[["prompt_lookup", "lookahead", "assisted"]].isna().all()
     assert f5["ar_match_all"].all() and (f5["tokens_per_s"] > 0).all() and f5["n_prompts"].eq(3).all()
     ar = f5[f5.arm == "ar"].iloc[0]
     assert ar["wall_speedup"] == 1.0 and ar["speedup_mean"] == pytest.approx(1.0)

@@ -55,7 +55,7 @@ def test_project_registries():
     from impl.vskipper.skipper import SKIPPERS, Skipper
 
     assert list(METHODS) == ["ar", "dex", "self_spec", "adadecode", "dynamic_exit", "hf_early_exit",
-                             "hf_prompt_lookup", "hf_assisted", "lookahead", "dflash_chain"]
+                             "hf_prompt_lookup", "hf_assisted", "lookahead", "dflash_chain", "pearl"]
     assert list(VERIFIERS) == ["predraw_follow", "sequential_residual", "tev"]
     assert {"random", "static-depth", "flexidepth"} <= set(SKIPPERS)
     assert SKIPPERS.canonical("randomskip") == "random" and SKIPPERS.canonical("static") == "static-depth"

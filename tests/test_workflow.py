@@ -62,7 +62,7 @@ def test_smoke_dex_section(smoke_run):
     fig5 = pd.read_csv(smoke_run / "results" / "tables" / "dex" / "dex_fig5.csv")
     assert set(fig5["variant"]) == {"tiny-ls", "tiny-std"}
     for (variant, _), cell in fig5.groupby(["variant", "suite"]):
-        assert {"ar", "prompt_lookup", "lookahead", "assisted", "self_spec"} <= set(cell["arm"])
+        assert {"ar", "prompt_lookup", "lookahead", "assisted", "pearl", "self_spec"} <= set(cell["arm"])
         assert cell["arm"].str.startswith("dex").sum() == 1
         # the trained-head arm runs where TEV trains the model's drafters (tev.models: tiny-ls)
         assert ("dflash_chain" in set(cell["arm"])) == (variant == "tiny-ls")

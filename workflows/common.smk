@@ -70,8 +70,8 @@ def dex_cell_inputs(w):
         d["adapters"] = f"{MODELS}/adapters/{base}"
     else:
         spec = DEX.get("speculative") or {}
-        if spec.get("assisted") is not None:
-            d["draft"] = f"{MODELS}/{base}-draft"  # Fig. 5's assisted arm decodes with it (rule train_draft)
+        if spec.get("assisted") is not None or spec.get("pearl") is not None:
+            d["draft"] = f"{MODELS}/{base}-draft"  # Fig. 5's assisted and PEARL arms draft with it (rule train_draft)
         if spec.get("dflash") is not None and base in ((CFG.get("tev") or {}).get("models") or []):
             d["tev_drafters"] = f"{MODELS}/tev/{base}"  # the trained-head arm's drafters (rule tev_train)
     return d

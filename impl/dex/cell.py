@@ -114,12 +114,13 @@ def dex_arms(dex: DexSection, L: int) -> list[Arm]:
 def speculative_arms(dex: DexSection, draft_dir: str | None = None, tev_drafters: str | None = None) -> list[Arm]:
     """The speculative arms of Fig. 5 that ``dex.speculative`` turns on, greedy (figure ``fig5``):
     ``prompt_lookup`` (transformers' prompt-lookup decoding), ``lookahead`` (Lookahead decoding),
-    ``assisted`` (transformers' assisted decoding with the model's draft model at ``draft_dir``) and
+    ``assisted`` (transformers' assisted decoding with the model's draft model at ``draft_dir``),
+    ``pearl`` (PEARL with that draft model; its rows carry the two-device time) and
     ``dflash_chain`` (the trained draft head: the model's TEV drafter ``tev_drafters/<objective>``,
     chain verification; only where ``tev_drafters`` is given, i.e. for the models TEV trains).
 
     Raises:
-        ValueError: ``assisted`` is on but no ``draft_dir`` is given.
+        ValueError: ``assisted`` or ``pearl`` is on but no ``draft_dir`` is given.
     """
     sp = dex.speculative
     arms = []
@@ -127,11 +128,13 @@ def speculative_arms(dex: DexSection, draft_dir: str | None = None, tev_drafters
         arms.append(Arm("prompt_lookup", "hf_prompt_lookup", sp.prompt_lookup.model_dump(), 0.0, "fig5"))
     if sp.lookahead is not None:
         arms.append(Arm("lookahead", "lookahead", sp.lookahead.model_dump(), 0.0, "fig5"))
+    if (sp.assisted is not None or sp.pearl is not None) and not draft_dir:
+        raise ValueError("dex.speculative.assisted / pearl need the draft model's directory (rule train_draft's output)")
     if sp.assisted is not None:
-        if not draft_dir:
-            raise ValueError("dex.speculative.assisted needs the draft model's directory (rule train_draft's output)")
         arms.append(Arm("assisted", "hf_assisted", {"assistant": str(draft_dir), **sp.assisted.model_dump()},
                         0.0, "fig5"))
+    if sp.pearl is not None:
+        arms.append(Arm("pearl", "pearl", {"draft": str(draft_dir), **sp.pearl.model_dump()}, 0.0, "fig5"))
     if sp.dflash is not None and tev_drafters:
         arms.append(Arm("dflash_chain", "dflash_chain",
                         {"drafter": f"{tev_drafters}/{sp.dflash.objective}", "depth": sp.dflash.depth}, 0.0, "fig5"))

@@ -16,7 +16,7 @@ from ..sections import Section, section_defaults, section_schema, typed_section
 from ..workloads.suites import SUITES
 
 __all__ = ["dex_section", "DexSection", "Distributed", "Decs", "Adapters", "Baselines", "Draft", "Speculative",
-           "PromptLookup", "LookaheadArm", "AssistedArm", "TrainedHead", "DEFAULTS", "SECTION", "check"]
+           "PromptLookup", "LookaheadArm", "AssistedArm", "TrainedHead", "PearlArm", "DEFAULTS", "SECTION", "check"]
 
 PosInt = Annotated[int, Field(ge=1)]
 PosNum = Annotated[float, Field(gt=0)]
@@ -125,6 +125,12 @@ class TrainedHead(Section):
     depth: PosInt = Field(4, description="chain length (at most tev.drafter.block_size)")
 
 
+class PearlArm(Section):
+    """``dex.speculative.pearl``: PEARL (method ``pearl``) with the model's ``dex.draft`` model."""
+
+    gamma: PosInt = Field(4, description="the draft window")
+
+
 class Speculative(Section):
     """``dex.speculative``: the speculative arms of Fig. 5, run greedy in every DEX cell of a plain
     (not adapted) model beside AR, DEX and the baselines; null = that arm is off."""
@@ -132,6 +138,7 @@ class Speculative(Section):
     prompt_lookup: PromptLookup | None = None
     lookahead: LookaheadArm | None = None
     assisted: AssistedArm | None = Field(None, description="needs dex.draft (the draft model)")
+    pearl: PearlArm | None = Field(None, description="needs dex.draft (the draft model)")
     dflash: TrainedHead | None = Field(None, description="in the cells of the models in tev.models (their TEV "
                                                          "drafters)")
 
@@ -188,8 +195,9 @@ def check(out: dict[str, Any]) -> None:
         if m not in d["models"]:
             raise ConfigError(f"config: 'dex.adapters.models[{i}]' names '{m}', which is not in 'dex.models'")
     spec = d.get("speculative") or {}
-    if spec.get("assisted") is not None and d.get("draft") is None:
-        raise ConfigError("config: 'dex.speculative.assisted' needs 'dex.draft' (the draft model it decodes with)")
+    for arm in ("assisted", "pearl"):
+        if spec.get(arm) is not None and d.get("draft") is None:
+            raise ConfigError(f"config: 'dex.speculative.{arm}' needs 'dex.draft' (the draft model it decodes with)")
     fl = spec.get("dflash")
     if fl is not None:
         tev = out.get("tev")

@@ -157,7 +157,8 @@ def claims_table(df: pd.DataFrame, arms: pd.DataFrame) -> pd.DataFrame:
 
 #: the speculative arms of Fig. 5 (``dex.speculative``) and the library early-exit reference
 FIG5_KINDS = {"prompt_lookup": "speculative (no draft model)", "lookahead": "speculative (no draft model)",
-              "assisted": "speculative (draft model)", "dflash_chain": "speculative (trained draft head)",
+              "assisted": "speculative (draft model)", "pearl": "parallel draft-and-verify (draft model, 2 devices)",
+              "dflash_chain": "speculative (trained draft head)",
               "hf_early_exit": "library early exit"}
 
 
@@ -167,7 +168,8 @@ def fig5_table(df: pd.DataFrame, arms: pd.DataFrame) -> pd.DataFrame:
     speculative arms of ``dex.speculative``, all from the same cell (same run, same prompts).
 
     Columns: ``tokens_per_s`` (tokens over wall seconds, pooled), ``wall_speedup`` (AR's pooled
-    seconds over the arm's), ``speedup_mean`` / ``ci_low`` / ``ci_high`` (per-prompt AR seconds over
+    seconds over the arm's), ``projected_speedup`` (DEX: K devices; PEARL: two devices; from the
+    measured parts, :func:`arms_table`), ``speedup_mean`` / ``ci_low`` / ``ci_high`` (per-prompt AR seconds over
     the arm's seconds: mean and t-based 95% interval), ``above_ar`` (the interval of speedup - 1 lies
     above zero), ``depth_speedup`` and ``ar_match_all``. Cells without a speculative arm are left out.
     """
@@ -197,6 +199,8 @@ def fig5_table(df: pd.DataFrame, arms: pd.DataFrame) -> pd.DataFrame:
                 "variant": v, "suite": s, "arm": arm, "kind": kind, "n_prompts": len(g), "tokens": int(g["tokens"].sum()),
                 "tokens_per_s": _ratio(g["tokens"].sum(), g["seconds"].sum()),
                 "wall_speedup": _ratio(ar.sum(), g["seconds"].sum()),
+                "projected_speedup": (a.loc[a.arm == arm, "projected_speedup"].iloc[0]
+                                      if (a.arm == arm).any() else np.nan),
                 "speedup_mean": r.mean if r else np.nan, "ci_low": r.ci_low if r else np.nan,
                 "ci_high": r.ci_high if r else np.nan,
                 "above_ar": bool(above.resolved and above.mean > 0) if above else False,
@@ -467,7 +471,9 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
                   "t-based 95% interval, `above_ar` whether speedup - 1 is resolved above zero. DEX's explorers run "
                   "one after another here (its K-device projection is in the table above); `prompt_lookup` and "
                   "`assisted` are transformers' own `generate` (prompt lookup; assisted decoding with the draft "
-                  "model below), `lookahead` the harness's Lookahead decoding. The DEX row is the fastest DEX arm "
+                  "model below), `lookahead` the harness's Lookahead decoding, `pearl` PEARL (draft and target "
+                  "overlapped on two devices: `projected_speedup` from its measured parts; `wall_speedup` runs them "
+                  "in turn), `dflash_chain` TEV's trained block drafter verified as a chain. The DEX row is the fastest DEX arm "
                   "of the cell, picked on these same timings, so its speedup leans high.", "", _md(fig5), ""]
         for (v, s), g in fig5.groupby(["variant", "suite"], sort=False):
             best = g[g.arm != "ar"].sort_values("wall_speedup", ascending=False)

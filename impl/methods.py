@@ -294,7 +294,7 @@ def _dflash_chain(model, rule: DecodeRule, params: dict, adapters, L: int):
                 # per round: the drafter's block pass (its own layers, the target's width) + one target pass
                 "critical_layers_total": (L + n_draft_layers) * r.rounds, "spec_rounds": r.rounds,
                 "drafted": sum(r.tree_sizes),
-                "accepted": sum(t - 1 for t in r.taus)}
+                "accepted": sum(min(t - 1, c) for t, c in zip(r.taus, r.committed))}
     return run_chain
 
 

@@ -44,14 +44,15 @@ def _check(res, n_new):
 @pytest.mark.parametrize("n,g", [(12, 3), (13, 3), (14, 3), (7, 2)])
 def test_perfect_draft_runs_whole_blocks(n, g):
     """Draft = target (a cycle): one pre-verify, then every post-verify commits a whole block while the
-    draft has the next one ready: 1 + ceil(n / g) target passes."""
+    draft has the next one ready (the first token of each block is verified by the round before, so
+    the last one is free): 1 + ceil((n - 1) / g) target passes."""
     perm = [(t + 3) % 8 for t in range(8)]
     target, draft = _cycle_model(perm), _cycle_model(perm)
     res = pearl_decode(target, draft, [0, 1, 2], n, gamma=g)
     assert res.tokens == ar_decode(target, [0, 1, 2], n).tokens
     kinds = [r.kind for r in res.rounds]
-    assert kinds == ["pre_accept"] + ["post"] * math.ceil(n / g)
-    assert res.target_passes == 1 + math.ceil(n / g)
+    assert kinds == ["pre_accept"] + ["post"] * math.ceil((n - 1) / g)
+    assert res.target_passes == 1 + math.ceil((n - 1) / g)
     _check(res, n)
 
 
@@ -116,4 +117,4 @@ def test_pearl_bad_parameters(tiny_model):
     with pytest.raises(ValueError, match="vocabulary"):
         pearl_decode(tiny_model, other, [1, 2], 4, gamma=2)
     with pytest.raises(ValueError, match="context"):
-        pearl_decode(tiny_model, copy.deepcopy(tiny_model), list(range(1, 100)), 28, gamma=4)
+        pearl_decode(tiny_model, copy.deepcopy(tiny_model), list(range(1, 100)), 30, gamma=4)

@@ -125,7 +125,7 @@ class _Model:
         t0 = time.perf_counter()
         x = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(self.n, self.n + len(tokens), device=self.device)[None]
-        logits = self.model(input_ids=x, position_ids=pos, past_key_values=self.cache, use_cache=True).logits[0]
+        logits = self.model(input_ids=x, position_ids=pos, cache=self.cache, use_cache=True).logits[0]
         _sync(self.device)
         self.n += len(tokens)
         self.passes += 1
@@ -133,9 +133,9 @@ class _Model:
         return logits.float(), time.perf_counter() - t0
 
     def crop(self, n: int) -> None:
-        """Keep the first ``n`` cached positions."""
+        """Keep the first ``n`` cached positions (transformers 5: ``crop`` takes minus the rows to drop)."""
         if n < self.n:
-            self.cache.crop(n)
+            self.cache.crop(n - self.n)
             self.n = n
 
 
@@ -244,11 +244,18 @@ class _Pearl:
         while a < len(block) and block[a] == ys[a - 1]:
             a += 1
         crit = max(L, len(secs) * Ld)
+        drafted, accepted = len(block) - 1, a - 1
+        if a == len(block) and nxt:  # the draft's next block starts with e_1: checked against the target here
+            drafted += 1
+            accepted += int(nxt[0] == ys[-1])
         if a < len(block) or not nxt or nxt[0] != ys[-1]:
             # a rejection in the block, or the draft's next block starts wrong: commit and pre-verify
             new = block[:a] + [ys[a - 1]]
             self.t.crop(n + a)
             self.d.crop(n + a)
+            self.block = None
+        elif len(nxt) == 1 and len(self.tokens) + len(block) + 1 >= self.max_new:
+            new = block + nxt  # e_1 (verified) ends the budget: no target pass left to run
             self.block = None
         else:
             new = block  # all accepted; the draft's e_1 equals the target's next token: verify e_1..e_k
@@ -256,10 +263,9 @@ class _Pearl:
         c = self._commit(new)
         if self.stopped or len(self.tokens) >= self.max_new:
             self.block = None
-        elif self.block is None and self.d.n < len(self.ids) - 1:
-            # the draft did not run past the block (k = 0): it still lacks the block's last token
-            self.d.forward(self.ids[self.d.n:len(self.ids) - 1])
-        self.rounds.append(PearlRound("post", len(block) - 1, a - 1, c, t_t, sum(secs), max(t_t, sum(secs)),
+        # committed drafts only (EOS or the budget may cut the block)
+        accepted = min(accepted, max(c - 1, 0)) if self.block is None else accepted
+        self.rounds.append(PearlRound("post", drafted, accepted, c, t_t, sum(secs), max(t_t, sum(secs)),
                                       self.t.layer_work + self.d.layer_work - w0, crit))
 
 
@@ -291,15 +297,12 @@ def pearl_decode(
 
     Raises:
         ValueError: a bad prompt / budget / ``eos_token_id`` / ``gamma``, a draft that is the target or
-            has another vocabulary, or a prompt + budget that overflows the context.
+            has another vocabulary, or a prompt + budget that overflows the context (no model is fed a
+            position past ``prompt + max_new_tokens - 1``, as in AR).
     """
 
     ids = _check_decode_args(target, input_ids, max_new_tokens, eos_token_id)
     g = check_pearl(target, draft, gamma)
-    ctx = getattr(target.config, "max_position_embeddings", None)
-    if ctx is not None and len(ids) + max_new_tokens + g > ctx:
-        raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens + gamma {g} exceeds the "
-                         f"context of {ctx}")
     eng = _Pearl(target, draft, ids, max_new_tokens, g, rule, eos_token_id)
     _sync(eng.t.device)
     t0 = time.perf_counter()

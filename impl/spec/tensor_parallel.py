@@ -1,0 +1,161 @@
+"""Tensor parallelism: the distributed reference arm of DEX Fig. 5 (harness issue 18, item 5).
+
+Every rank holds a shard of every decoder layer (transformers' own plan for the architecture,
+``config.base_model_tp_plan``: q / k / v and the MLP's gate / up projections split by output columns,
+o and down projections by input rows, one all-reduce after each of the two; embeddings, norms and the
+LM head replicated), and all ranks run the same greedy ``generate`` on the same ids: the logits are
+reduced to the same values on every rank, so the ranks agree token for token. Rank 0 times each
+prompt (after a barrier) and checks the ids against AR on an unsharded copy of the model. The sharding
+is loaded by ``from_pretrained(distributed_config=DistributedConfig(tp_size=K))`` (transformers 5.24),
+gloo on CPU, NCCL on CUDA.
+
+A K-way split needs K to divide the attention heads, the key-value heads and the MLP width
+(SmolLM2-135M: 9 / 3 heads, so K = 3, not 2); the command refuses other K with one line.
+
+Timing: ``seconds`` is rank 0's wall time of ``generate`` with every all-reduce in it: on one machine
+the K ranks share its cores, so this is the measured time of K processes on those cores, not a
+K-device projection (the report says which).
+
+Command line (rank 0 writes one JSONL row per prompt)::
+
+    torchrun --nproc-per-node K -m impl.spec.tensor_parallel --model DIR --prompts FILE.jsonl \\
+        --out OUT.jsonl --max-new-tokens N [--ignore-eos --threads 1 --warmup-prompts 1]
+
+Source: Shoeybi et al., "Megatron-LM" (2019), Sec. 3 (column / row splits of the MLP and attention);
+transformers 5.24 ``DistributedConfig`` and ``base_model_tp_plan``; DEX Sec. 5 (TP as the distributed
+baseline of Fig. 5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+
+from ..argtypes import ArgumentParser, nonneg_int, positive_float, positive_int
+from ..models.load import load_model
+from ..provenance import provenance, write_jsonl
+from ..workloads.prompts import read_prompts
+from .ar import ar_decode
+from .hf_generate import greedy_generate
+
+__all__ = ["tp_split_problem", "main"]
+
+
+def tp_split_problem(config: dict, world_size: int) -> str | None:
+    """Why a ``world_size``-way tensor-parallel split of a model with this ``config.json`` cannot work
+    (one sentence), or None when it can: K must divide the attention heads, the key-value heads and
+    the MLP width."""
+    heads = int(config.get("num_attention_heads", 0))
+    kv = int(config.get("num_key_value_heads") or heads)
+    mlp = int(config.get("intermediate_size", 0))
+    if world_size < 2:
+        return f"tensor parallelism needs at least 2 ranks, got {world_size}"
+    bad = [f"{name} = {v}" for name, v in (("num_attention_heads", heads), ("num_key_value_heads", kv),
+                                           ("intermediate_size", mlp)) if v % world_size]
+    if bad:
+        ok = [k for k in range(2, heads + 1) if heads % k == 0 and kv % k == 0 and mlp % k == 0]
+        return (f"a {world_size}-way split needs {world_size} to divide {', '.join(bad)}; "
+                f"this model splits over {ok or 'no'} ranks")
+    return None
+
+
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="torchrun --nproc-per-node K -m impl.spec.tensor_parallel",
+                        description="greedy decoding with transformers' tensor-parallel plan over K ranks; rank 0 "
+                                    "writes one JSONL row per prompt, checked against AR.")
+    ap.add_argument("--model", required=True, help="Hugging Face model directory")
+    ap.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--no-ar-check", action="store_true", help="skip the AR check on rank 0")
+    ap.add_argument("--warmup-prompts", type=nonneg_int, default=1,
+                    help="decode the first N prompts once, unrecorded, before the recorded pass")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    ap.add_argument("--timeout-s", type=positive_float, default=600.0, help="process-group timeout")
+    return ap
+
+
+def _fail(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``torchrun --nproc-per-node K -m impl.spec.tensor_parallel`` (module docstring).
+
+    Every rank checks the arguments and the split before the process group starts and exits with
+    status 2 and a one-line error (a missing file, a K that does not divide the heads).
+    """
+    args = _parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg_path = Path(args.model) / "config.json"
+    if not cfg_path.is_file():
+        _fail(rank, f"model directory not found or incomplete (no config.json): {args.model}")
+    if not Path(args.prompts).is_file():
+        _fail(rank, f"no such prompt file: {args.prompts}")
+    why = tp_split_problem(json.loads(cfg_path.read_text()), world)
+    if why:
+        _fail(rank, why + " (torchrun --nproc-per-node K)")
+    prompts = read_prompts(args.prompts)
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
+    backend = "nccl" if device is not None else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=DistributedConfig(tp_size=world),
+                                                     dtype=torch.float32, local_files_only=True).eval()
+        plain = load_model(args.model) if rank == 0 and not args.no_ar_check else None
+        eos = None if args.ignore_eos else model.config.eos_token_id
+        rows = _decode_all(model, plain, prompts, args, eos, rank, world, backend)
+        if rank == 0:
+            prov = provenance({"method": "tensor_parallel", "world_size": world, "max_new_tokens": args.max_new_tokens},
+                              device=str(device or "cpu"), dtype="float32")
+            for r in rows:
+                r.update(model_dir=str(args.model), batch_size=1, **prov)
+            write_jsonl(args.out, rows)
+            bad = [r["prompt_id"] for r in rows if r.get("ar_match") is False]
+            print(f"{args.out}: {len(rows)} rows, {len(bad)} differ from AR" + (f" ({bad})" if bad else ""),
+                  file=sys.stderr, flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def _decode_all(model, plain, prompts: list[dict], args, eos, rank: int, world: int, backend: str) -> list[dict]:
+    """Every rank decodes every prompt (warm-up first, unrecorded); rank 0 returns the rows."""
+    usable = [p for p in prompts if p.get("input_ids")]
+    for p in usable[: args.warmup_prompts]:
+        greedy_generate(model, list(p["input_ids"]), args.max_new_tokens, eos)
+    rows = []
+    for p in prompts:
+        base = {"prompt_id": p.get("id"), "suite": p.get("suite"), "method": "tensor_parallel",
+                "executor": "distributed", "backend": backend, "world_size": world,
+                "max_new_tokens": args.max_new_tokens, "temperature": 0.0}
+        ids = list(p.get("input_ids") or [])
+        if not ids:
+            rows.append({**base, "error": "empty prompt (no input_ids)"})
+            continue
+        dist.barrier()
+        t0 = time.perf_counter()
+        tokens, stopped, _ = greedy_generate(model, ids, args.max_new_tokens, eos)
+        secs = time.perf_counter() - t0
+        ar = ar_decode(plain, ids, args.max_new_tokens, eos_token_id=eos).tokens if plain is not None else None
+        rows.append({**base, "n_prompt_tokens": len(ids), "token_ids": tokens, "n_new_tokens": len(tokens),
+                     "stopped_at_eos": stopped, "seconds": secs,
+                     "ar_match": (tokens == ar) if ar is not None else None})
+    return rows if rank == 0 else []
+
+
+if __name__ == "__main__":
+    main()

@@ -9,5 +9,4 @@ source scripts/data_dir.sh
 # one worker and started first) overlaps the unit tests; two multi-threaded torch processes on 2 cores
 # would oversubscribe them. PYTEST_WORKERS=0 runs everything in one process, =auto one worker per core.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# --durations: the 30 slowest set-ups and tests are listed at the end (where the suite's time goes)
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=30 "$@"
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"

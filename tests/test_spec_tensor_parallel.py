@@ -51,7 +51,7 @@ def _torchrun(K: int, *args, timeout: int = 180) -> subprocess.CompletedProcess:
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(K), "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "-m", "impl.spec.tensor_parallel", *map(str, args)]
+           "--master-port", str(port), "-m", "impl.spec.tensor_parallel", "--device", "cpu", *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -2,9 +2,10 @@
 
 Every rank holds a shard of every decoder layer (transformers' own plan for the architecture,
 ``config.base_model_tp_plan``: q / k / v and the MLP's gate / up projections split by output columns,
-o and down projections by input rows, one all-reduce after each of the two; embeddings, norms and the
-LM head replicated), and all ranks run the same greedy ``generate`` on the same ids: the logits are
-reduced to the same values on every rank, so the ranks agree token for token. Rank 0 times each
+o and down projections by input rows, one all-reduce after each of the two; transformers 5.24 also
+splits the embedding by vocabulary rows (summed across ranks) and the LM head by vocabulary (its logits
+gathered); the norms are replicated), and all ranks run the same greedy ``generate`` on the same ids:
+every rank holds the same gathered logits, so the ranks agree token for token. Rank 0 times each
 prompt (after a barrier) and checks the ids against AR on an unsharded copy of the model. The sharding
 is loaded by ``from_pretrained(distributed_config=DistributedConfig(tp_size=K))`` (transformers 5.24),
 gloo on CPU, NCCL on CUDA.
@@ -82,6 +83,8 @@ def _parser() -> ArgumentParser:
                     help="decode the first N prompts once, unrecorded, before the recorded pass")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     ap.add_argument("--timeout-s", type=positive_float, default=600.0, help="process-group timeout")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="cpu hides the GPUs (gloo); auto: one GPU per rank when there are enough (NCCL)")
     return ap
 
 
@@ -99,6 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cpu":  # before anything asks CUDA: transformers picks the mesh device from the accelerator
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        _fail(rank, "--device cuda but CUDA is not available")
+    if cuda and local_rank >= torch.cuda.device_count():
+        _fail(rank, f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
+                    "start at most that many ranks per node, or pass --device cpu (gloo)")
     cfg_path = Path(args.model) / "config.json"
     if not cfg_path.is_file():
         _fail(rank, f"model directory not found or incomplete (no config.json): {args.model}")
@@ -107,10 +119,13 @@ def main(argv: list[str] | None = None) -> None:
     why = tp_split_problem(json.loads(cfg_path.read_text()), world)
     if why:
         _fail(rank, why + " (torchrun --nproc-per-node K)")
-    prompts = read_prompts(args.prompts)
+    try:
+        prompts = read_prompts(args.prompts)
+    except ValueError as e:
+        _fail(rank, str(e))
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
-    backend = "nccl" if device is not None else "gloo"
+    device = torch.device("cuda", local_rank) if cuda else None
+    backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=DistributedConfig(tp_size=world),

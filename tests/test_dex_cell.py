@@ -181,6 +181,18 @@ def test_speculative_arms_run_in_the_cell_and_fill_the_fig5_table(tiny_model, tm
     assert (f5["ci_low"] <= f5["speedup_mean"]).all() and (f5["speedup_mean"] <= f5["ci_high"]).all()
     dex_fig5(f5, tmp_path / "f5.png")
     assert (tmp_path / "f5.png").stat().st_size > 1000
+    # the report section: the PASS line, the table, one line per cell and the figure
+    from impl.report.dex import report_section
+    from impl.report.tables import write_table
+
+    td, fd = tmp_path / "tables", tmp_path / "figures"
+    for name, df in dex_tables(rows, []).items():
+        write_table(df, td / name)
+    fd.mkdir()
+    dex_fig5(f5, fd / "dex_fig5.png")
+    text = "\n".join(report_section(td, fd, tmp_path))
+    assert "(Fig. 5 shape)\n\n- every arm below equals AR token for token on every prompt: **PASS**" in text
+    assert "- m / gsm8k: fastest `" in text and "![Fig. 5 shape](figures/dex_fig5.png)" in text
     # without speculative arms there is no Fig. 5 table, and the figure says so
     plain = [r for r in rows if r["figure"] != "fig5"]
     assert dex_tables(plain, [])["dex_fig5"].empty

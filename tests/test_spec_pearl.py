@@ -117,4 +117,4 @@ def test_pearl_bad_parameters(tiny_model):
     with pytest.raises(ValueError, match="vocabulary"):
         pearl_decode(tiny_model, other, [1, 2], 4, gamma=2)
     with pytest.raises(ValueError, match="context"):
-        pearl_decode(tiny_model, copy.deepcopy(tiny_model), list(range(1, 100)), 30, gamma=4)
+        pearl_decode(tiny_model, copy.deepcopy(tiny_model), [1 + i % 90 for i in range(99)], 30, gamma=4)

@@ -497,6 +497,15 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
                   "Measured on this machine (gloo; ranks share the CPU cores, so communication includes "
                   "scheduling); this communication per round is what `projected_speedup` adds for these K.", "",
                   _md(dist), ""]
+        if {"comm_ms_per_round", "critical_path_ms_per_round"} <= set(dist.columns):
+            share = dist["comm_ms_per_round"] / (dist["critical_path_ms_per_round"] + dist["comm_ms_per_round"])
+            parts = ", ".join(f"{s:.0%} at K = {int(k)}" for k, s in zip(dist["K"], share))
+            lines += [f"- communication is {parts} of a projected round. "
+                      + ("It is not what holds the projection back: the projected speedup is bounded by the depth-side "
+                         "speedup and what DEX adds per round (lattice bookkeeping, intermediate readouts; walltime "
+                         "model below)." if share.max() < 0.25 else
+                         "It takes a large part of each round: on this model the explorers' batches are too small "
+                         "for the transfer to hide."), ""]
     if len(wall):
         lines += ["### Walltime model (App. B), calibrated", "",
                   "c = per-layer cost fitted on explorer batch times; delta_AR and delta_X are AR's and DEX's "

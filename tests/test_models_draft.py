@@ -107,6 +107,7 @@ def test_train_draft_command(tmp_path, tiny_tokenizer, data_dir):
     draft = load_model(out)
     assert draft.config.num_hidden_layers == 2 and (out / "tokenizer.json").is_file()
     cfg["dex"]["draft"] = None
+    cfg["dex"]["speculative"] = {}  # the smoke config's assisted / PEARL arms need a draft
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     with pytest.raises(SystemExit, match="dex.draft is not set"):
         main(["train-draft", "--config-json", f"@{tmp_path / 'cfg.json'}", "--quiet", "--model-dir",

@@ -464,7 +464,7 @@ class BlockDrafter(nn.Module):
         p = Path(path)
         if not (p / CONFIG_NAME).is_file() or not (p / WEIGHTS_NAME).is_file():
             raise FileNotFoundError(f"drafter directory incomplete or missing: {p} (needs {CONFIG_NAME} and "
-                                    f"{WEIGHTS_NAME}; train one with impl.tev.drafter.train_drafter)")
+                                    f"{WEIGHTS_NAME}; train one with python -m impl tev-train, rule tev_train)")
         meta = json.loads((p / CONFIG_NAME).read_text())
         sig, saved = _target_signature(target), meta["target"]
         for key in ("hidden_size", "vocab_size", "num_hidden_layers"):

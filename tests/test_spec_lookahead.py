@@ -13,19 +13,11 @@ from impl.spec.lookahead import NGramPool, _verify, lookahead_decode, step_layou
 from impl.spec.sampling import DecodeRule
 from impl.tev.parents import tree_attention_mask
 
-from test_spec_baselines import _cycle_model
+from test_spec_baselines import _cycle_model, _one_thread  # noqa: F401  (the module-wide one-thread fixture)
 
 N_NEW = 40
 PROMPTS = [[5], [3, 17, 42, 8, 9], list(range(1, 30))]
 PARAMS = [(1, 2, 1), (3, 3, 2), (5, 4, 5)]  # (W, N, G)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------------------ hand-built layout

@@ -8,25 +8,16 @@ import copy
 import math
 
 import pytest
-import torch
 
 from impl.models.draft import truncated_draft
 from impl.spec.ar import ar_decode
 from impl.spec.pearl import pearl_decode
 from impl.spec.sampling import DecodeRule
 
-from test_spec_baselines import _cycle_model
+from test_spec_baselines import _cycle_model, _one_thread  # noqa: F401  (the module-wide one-thread fixture)
 
 N_NEW = 24
 PROMPTS = [[5], [3, 17, 42, 8, 9], list(range(1, 30))]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _check(res, n_new):

@@ -414,7 +414,8 @@ def cmd_dex_tables(args) -> None:
     summaries = [json.loads(Path(f).read_text()) for f in args.adapters]
     dist = [r for f in args.distributed for r in read_jsonl(f)]
     drafts = [json.loads(Path(f).read_text()) for f in args.drafts]
-    for name, df in dex_tables(rows, summaries, dist, drafts).items():
+    mp = [r for f in args.multiprocess for r in read_jsonl(f)]
+    for name, df in dex_tables(rows, summaries, dist, drafts, mp).items():
         write_table(df, Path(args.out_dir) / name)
     log.info("DEX tables from %d cells -> %s", len(args.cells), args.out_dir)
 
@@ -630,6 +631,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--adapters", nargs="*", default=[], help="adapter training summaries")
     sp.add_argument("--distributed", nargs="*", default=[], help="rows of python -m impl.dex.distributed")
     sp.add_argument("--drafts", nargs="*", default=[], help="draft training summaries (train-draft)")
+    sp.add_argument("--multiprocess", nargs="*", default=[],
+                    help="rows of the multi-process Fig. 5 arms (impl.spec.pearl_distributed, impl.spec.tensor_parallel)")
     sp.add_argument("--out-dir", required=True)
     sp = add("dex-figures", cmd_dex_figures, "DEX Fig. 3 / Fig. 4 shapes from the DEX tables")
     sp.add_argument("--tables-dir", required=True)

@@ -22,11 +22,11 @@ from impl.config import validate_config
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_CONFIGS = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
 PROFILE = ROOT / "profiles" / "slurm" / "config.yaml"
-GPU_RULES = ("measure_ead", "ar_bench", "train_model", "train_adapters", "train_draft", "dex_cell", "tev_train", "tev_cell",
+GPU_RULES = ("measure_ead", "ar_bench", "train_model", "train_adapters", "train_draft", "train_head", "dex_cell", "tev_train", "tev_cell",
              "tev_latency", "vskipper_train_flexidepth", "vskipper_profile", "vskipper_knee", "vskipper_cell",
              "vskipper_ablation", "vskipper_randomskip", "vskipper_http", "vskipper_model_train_flexidepth",
              "vskipper_model_profile", "vskipper_model_knee", "vskipper_model_cell")
-MULTI_GPU_RULES = ("dex_distributed",)  # gres gpu:K from the wildcard
+MULTI_GPU_RULES = ("dex_distributed", "dex_pearl_ranks", "dex_tensor_parallel")  # gres gpu:K from the rule
 # `rule NAME:` and `use rule PARENT as NAME with:` (the vSkipper Table 6 / 7 rules)
 ALL_RULES = tuple(re.findall(r"^\s*(?:use )?rule (?:\w+ as )?(\w+)(?: with)?:", "\n".join(
     p.read_text() for p in sorted((Path(__file__).resolve().parents[1] / "workflows").glob("*.smk"))), re.M))
@@ -111,9 +111,9 @@ def test_profile_dry_run(workdir, extra):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "Using profile profiles/slurm" in out
-    # the default compares tiny-ls with smollm2 (two tokenizers): no shared-context rule there; and it
-    # sets no dex.draft (the draft model runs in smoke until its time is measured in the default)
-    expected = [r for r in ALL_RULES if not (not extra and r in ("ead_shared", "train_draft"))
+    # the default compares tiny-ls with smollm2 (two tokenizers): no shared-context rule there; smoke's
+    # trained-head arm uses tiny-ls's TEV drafters (no dex.speculative.dflash.drafter: no train_head)
+    expected = [r for r in ALL_RULES if not (not extra and r == "ead_shared") and not (extra and r == "train_head")
                 and (opt_in or r not in OPT_IN_RULES)]
     if not opt_in:
         assert not re.search(r"^rule vskipper_bench_serving:", out, re.M)

@@ -1,6 +1,9 @@
 """DEX benchmark cell: arms, AR verdicts, rounds identity in the rows, and the DEX tables."""
 
+import json
+
 import numpy as np
+import pandas as pd
 import pytest
 
 from impl.dex.schema import DexSection
@@ -202,6 +205,35 @@ def test_speculative_arms_run_in_the_cell_and_fill_the_fig5_table(tiny_model, tm
     assert (tmp_path / "none.png").stat().st_size > 500
 
 
+def test_multiprocess_arms_join_the_fig5_table():
+    """Rows of the two-rank PEARL and TP runs become dex_fig5 rows of their model's cells (speedup = rank 0's
+    AR seconds over the arm's, per prompt) and a detail table; an AR mismatch or a rounds mismatch shows."""
+    from impl.report.dex import _fig5_standing, fig5_multiprocess_rows, multiprocess_table
+
+    def row(method, suite, pid, secs, ar, **kw):
+        return {"method": method, "suite": suite, "prompt_id": pid, "seconds": secs, "ar_seconds": ar,
+                "n_new_tokens": 10, "world_size": 2 if method == "pearl" else 3, "variant": "m",
+                "ar_match": True, "model_dir": "models/m", **kw}
+    mp = [row("pearl", "gsm8k", "p0", 2.0, 1.0, gamma=4, rounds=5, comm_seconds=0.05, rounds_match=True),
+          row("pearl", "gsm8k", "p1", 1.0, 1.0, gamma=4, rounds=5, comm_seconds=0.05, rounds_match=True),
+          row("tensor_parallel", "gsm8k", "p0", 0.5, 1.0), row("tensor_parallel", "gsm8k", "p1", 0.5, 1.0),
+          {"method": "pearl", "suite": "gsm8k", "prompt_id": "bad", "error": "empty prompt"}]
+    f5 = pd.DataFrame(fig5_multiprocess_rows(mp)).set_index("arm")
+    assert list(f5.index) == ["pearl-2ranks", "tensor_parallel-3"] and (f5["variant"] == "m").all()
+    assert f5.loc["pearl-2ranks", "wall_speedup"] == pytest.approx(2.0 / 3.0)
+    assert f5.loc["pearl-2ranks", "speedup_mean"] == pytest.approx(0.75)
+    assert f5.loc["tensor_parallel-3", "speedup_mean"] == pytest.approx(2.0) and f5.loc["tensor_parallel-3", "above_ar"]
+    assert f5["ar_match_all"].all() and json.loads(f5.loc["pearl-2ranks", "params"]) == {"world_size": 2, "gamma": 4}
+    t = multiprocess_table(mp).set_index("arm")
+    assert t.loc["pearl-2ranks", "rounds"] == 10 and t.loc["pearl-2ranks", "comm_ms_per_round"] == pytest.approx(10.0)
+    assert t.loc["pearl-2ranks", "tokens_per_round"] == pytest.approx(2.0) and t["ar_match_all"].all()
+    mp[1]["rounds_match"] = False
+    assert not multiprocess_table(mp).set_index("arm").loc["pearl-2ranks", "ar_match_all"]
+    assert not pd.DataFrame(fig5_multiprocess_rows(mp)).set_index("arm").loc["pearl-2ranks", "ar_match_all"]
+    lines = "\n".join(_fig5_standing(pd.DataFrame(fig5_multiprocess_rows(mp)), [(2, 2)], 1))
+    assert "ranks 2/2" in lines and "`tensor_parallel-3` (1 cells)" in lines
+
+
 def test_speculative_arms_check_their_sources_in_the_config():
     from impl.config import ConfigError
     from conftest import smoke_config
@@ -214,5 +246,17 @@ def test_speculative_arms_check_their_sources_in_the_config():
         smoke_config(dex={"models": ["tiny-std"], "speculative": {"dflash": {"depth": 2}}})  # tev.models: tiny-ls
     with pytest.raises(ConfigError, match="lookahead window"):
         smoke_config(dex={"speculative": {"lookahead": {"window": 300}}})
+    with pytest.raises(ConfigError, match=r"tensor_parallel.ranks' = 3 does not divide tiny_arch.num_heads = 4"):
+        smoke_config(dex={"speculative": {"tensor_parallel": {"ranks": 3}}})
+    with pytest.raises(ConfigError, match="tensor_parallel.ranks"):
+        smoke_config(dex={"speculative": {"tensor_parallel": {"ranks": 1}}})
+    # a model TEV does not train gets a drafter trained for DEX (dflash.drafter): base only, depth within its block
+    head = {"objective": "base", "depth": 2, "drafter": {"block_size": 2}}
+    cfg = smoke_config(dex={"models": ["tiny-std"], "speculative": {"dflash": head}})
+    assert cfg["dex"]["speculative"]["dflash"]["drafter"]["block_size"] == 2
+    with pytest.raises(ConfigError, match="have only 'base'"):
+        smoke_config(dex={"models": ["tiny-std"], "speculative": {"dflash": {**head, "objective": "exit"}}})
+    with pytest.raises(ConfigError, match="dflash.drafter.block_size' = 2"):
+        smoke_config(dex={"models": ["tiny-std"], "speculative": {"dflash": {**head, "depth": 3}}})
     cfg = smoke_config(dex={"speculative": {"dflash": {"objective": "base", "depth": 2}}})
     assert cfg["dex"]["speculative"]["dflash"] == {"objective": "base", "depth": 2}

@@ -258,3 +258,33 @@ def test_shared_rollouts_reproduce_train_drafter(tiny_model):
         train_drafter(tiny_model, None, cfg, data=bad)
     with pytest.raises(ValueError, match="layers"):
         train_exittrain(tiny_model, d1, bad, _cfg(), "token")
+
+
+def test_tev_train_dex_head_trains_only_the_base_drafter(tmp_path, tiny_tokenizer, data_dir):
+    """``tev-train --dex-head`` (rule train_head): the base drafter alone, with dex.speculative.dflash.drafter's
+    settings, under the layout the DEX cell reads (``<dir>/base``); without those settings one clear line."""
+    import json
+
+    from conftest import save_wide_llama, smoke_config
+
+    from impl.cli import main
+
+    target = save_wide_llama(tmp_path / "model", tiny_tokenizer)
+    head = {"block_size": 3, "n_layers": 1, "prompts": 4, "prompt_max_tokens": 16, "rollout_new_tokens": 4,
+            "steps": 2, "batch_size": 2, "threads": 1}
+    cfg = smoke_config(data_dir=str(data_dir), dex={"speculative": {"dflash": {"objective": "base", "depth": 3,
+                                                                               "drafter": head}}})
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    out, summ = tmp_path / "head", tmp_path / "head.json"
+    main(["tev-train", "--dex-head", "--config-json", f"@{tmp_path / 'cfg.json'}", "--quiet", "--model-dir",
+          str(tmp_path / "model"), "--out", str(out), "--summary", str(summ)])
+    s = json.loads(summ.read_text())
+    assert s["drafters"] == ["base"] and s["n_prompts"] == 4 and sorted(p.name for p in out.iterdir()) == ["base"]
+    from impl.tev.drafter import BlockDrafter
+
+    assert BlockDrafter.load(out / "base", target).block_size == 3
+    cfg["dex"]["speculative"]["dflash"]["drafter"] = None
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit, match="dex.speculative.dflash.drafter is not set"):
+        main(["tev-train", "--dex-head", "--config-json", f"@{tmp_path / 'cfg.json'}", "--quiet", "--model-dir",
+              str(tmp_path / "model"), "--out", str(tmp_path / "x"), "--summary", str(tmp_path / "x.json")])

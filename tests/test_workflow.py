@@ -66,6 +66,11 @@ def test_smoke_dex_section(smoke_run):
         assert cell["arm"].str.startswith("dex").sum() == 1
         # the trained-head arm runs where TEV trains the model's drafters (tev.models: tiny-ls)
         assert ("dflash_chain" in set(cell["arm"])) == (variant == "tiny-ls")
+        # the multi-process arms (PEARL on two ranks, TP over dex.speculative.tensor_parallel.ranks) on the first dex model
+        assert ({"pearl-2ranks", "tensor_parallel-2"} <= set(cell["arm"])) == (variant == "tiny-ls")
+    mp = pd.read_csv(smoke_run / "results" / "tables" / "dex" / "dex_fig5_multiprocess.csv")
+    assert set(mp["arm"]) == {"pearl-2ranks", "tensor_parallel-2"} and mp["ar_match_all"].all()
+    assert (mp["ar_seconds"] > 0).all() and "Multi-process arms in detail" in report
     assert fig5["ar_match_all"].all() and (fig5["tokens_per_s"] > 0).all()
     assert (fig5.loc[fig5.arm == "ar", "wall_speedup"] == 1.0).all()
     assert re.search(r"Fig. 5 shape\)\n\n- every arm below equals AR token for token on every prompt: \*\*PASS\*\*", report)

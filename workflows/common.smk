@@ -10,6 +10,7 @@ sys.path.insert(0, workflow.basedir)
 
 from impl.config import ConfigError, model_dir, read_yaml, split_variant, validate_config, variant_name  # noqa: E402
 from impl.provenance import config_hash  # noqa: E402
+from impl.dex.schema import Speculative  # noqa: E402
 
 try:
     for _configfile in workflow.configfiles or [os.path.join(workflow.basedir, "configs", "default.yaml")]:
@@ -62,8 +63,9 @@ def model_path(wildcards):
 
 def dex_cell_inputs(w):
     """Inputs of a DEX cell; an adapted variant (impl.dex.cell.variant_name) adds the model's inducing
-    adapters (rule train_adapters), a plain one its draft model when dex.speculative.assisted is on and its
-    TEV drafters when dex.speculative.dflash is on and TEV trains the model."""
+    adapters (rule train_adapters), a plain one its draft model when dex.speculative.assisted or pearl is on
+    and, when dex.speculative.dflash is on, its TEV drafters (TEV trains the model) or the base drafter
+    trained for DEX (dex.speculative.dflash.drafter, rule train_head)."""
     base, adapted = split_variant(w.variant)
     d = {"prompts": f"{RESULTS}/workloads/{base}/{w.suite}.jsonl", "model": str(model_dir(CFG, base))}
     if adapted:
@@ -74,6 +76,8 @@ def dex_cell_inputs(w):
             d["draft"] = f"{MODELS}/{base}-draft"  # Fig. 5's assisted and PEARL arms draft with it (rule train_draft)
         if spec.get("dflash") is not None and base in ((CFG.get("tev") or {}).get("models") or []):
             d["tev_drafters"] = f"{MODELS}/tev/{base}"  # the trained-head arm's drafters (rule tev_train)
+        elif spec.get("dflash") is not None and spec["dflash"].get("drafter") is not None:
+            d["tev_drafters"] = f"{MODELS}/dex-head/{base}"  # a base drafter trained for DEX (rule train_head)
     return d
 
 

@@ -114,8 +114,89 @@ if DEX:
             "python -m impl train-draft --config-json @{params.cfg} --quiet --model-dir {input.model} "
             "--out {output.draft} --summary {output.summary} 2> {log}"
 
+    SPEC = Speculative(**(DEX.get("speculative") or {}))  # the typed section: its defaults filled in
+    HEAD = SPEC.dflash.drafter if SPEC.dflash is not None else None
+
+    # Fig. 5's trained-head arm for dex models TEV does not train: TEV's base drafter, trained with
+    # dex.speculative.dflash.drafter's settings (same code as rule tev_train, no ExitTrain objectives)
+    rule train_head:
+        conda:
+            "../env.yaml"
+        input:
+            model=model_path,
+        output:
+            drafters=directory(f"{MODELS}/dex-head/{{model}}"),
+            summary=f"{RESULTS}/dex/head/{{model}}.json",
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            sig=sig("data_dir", "seed", "device", "dtype", "max_prompt_tokens",
+                    head=HEAD.model_dump() if HEAD is not None else None, eos=DEX["stop_at_eos"]),
+        threads: HEAD.threads if HEAD is not None else 1
+        log:
+            f"{LOGS}/dex/head/{{model}}.log",
+        shell:
+            "python -m impl tev-train --dex-head --config-json @{params.cfg} --quiet --model-dir {input.model} "
+            "--out {output.drafters} --summary {output.summary} 2> {log}"
+
+    # Fig. 5's multi-process arms for the first dex model on every dex workload (dex.speculative): PEARL with
+    # the target and the draft on two ranks, and transformers' tensor-parallel plan over K ranks; one thread
+    # per rank, rank 0 times AR on the same prompts in the same run and checks the ids
+    MP_MODEL = DEX["models"][0]
+    MP_ARMS = (["pearl"] if SPEC.pearl is not None and SPEC.pearl.distributed else []) + \
+              ([f"tp{SPEC.tensor_parallel.ranks}"] if SPEC.tensor_parallel is not None else [])
+    MP_RUNS = expand(f"{RESULTS}/dex/multiprocess/{MP_MODEL}/{{suite}}/{{arm}}.jsonl", suite=DEX["workloads"], arm=MP_ARMS)
+
+    rule dex_pearl_ranks:
+        conda:
+            "../env.yaml"
+        input:
+            prompts=f"{RESULTS}/workloads/{MP_MODEL}/{{suite}}.jsonl",
+            model=str(model_dir(CFG, MP_MODEL)),
+            draft=f"{MODELS}/{MP_MODEL}-draft",
+        output:
+            f"{RESULTS}/dex/multiprocess/{MP_MODEL}/{{suite}}/pearl.jsonl",
+        params:
+            n=DEX["n_prompts"],
+            new=DEX["max_new_tokens"],
+            gamma=SPEC.pearl.gamma if SPEC.pearl is not None else None,
+            variant=MP_MODEL,
+            eos="" if DEX["stop_at_eos"] else "--ignore-eos",
+        threads: 2
+        log:
+            f"{LOGS}/dex/multiprocess/{{suite}}/pearl.log",
+        resources:
+            gres="gpu:2",  # the target and the draft on a GPU each on a cluster (ignored locally)
+        shell:
+            "OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 "
+            "-m impl.spec.pearl_distributed --model {input.model} --draft {input.draft} --prompts {input.prompts} "
+            "--n-prompts {params.n} --variant {params.variant} --out {output} --max-new-tokens {params.new} --gamma {params.gamma} {params.eos} "
+            "--warmup-prompts 1 --device auto 2> {log}"
+
+    rule dex_tensor_parallel:
+        conda:
+            "../env.yaml"
+        input:
+            prompts=f"{RESULTS}/workloads/{MP_MODEL}/{{suite}}.jsonl",
+            model=str(model_dir(CFG, MP_MODEL)),
+        output:
+            f"{RESULTS}/dex/multiprocess/{MP_MODEL}/{{suite}}/tp{{k}}.jsonl",
+        params:
+            variant=MP_MODEL,
+            n=DEX["n_prompts"],
+            new=DEX["max_new_tokens"],
+            eos="" if DEX["stop_at_eos"] else "--ignore-eos",
+        threads: 2
+        log:
+            f"{LOGS}/dex/multiprocess/{{suite}}/tp{{k}}.log",
+        resources:
+            gres=lambda w: f"gpu:{w.k}",
+        shell:
+            "OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node {wildcards.k} "
+            "-m impl.spec.tensor_parallel --model {input.model} --prompts {input.prompts} --n-prompts {params.n} --variant {params.variant} "
+            "--out {output} --max-new-tokens {params.new} {params.eos} --warmup-prompts 1 --device auto 2> {log}"
+
     DEX_TABLE_NAMES = ["dex_arms", "dex_claims", "dex_fig5", "dex_overhead", "dex_walltime_model", "dex_tuning", "dex_adapters",
-                       "dex_adapter_ead", "dex_distributed", "dex_draft"]
+                       "dex_adapter_ead", "dex_distributed", "dex_draft", "dex_fig5_multiprocess"]
     DEX_FIGURE_NAMES = ["dex_fig3", "dex_fig4", "dex_fig5"]
 
     rule dex_tables:
@@ -126,6 +207,7 @@ if DEX:
             adapters=expand(f"{RESULTS}/dex/adapters/{{model}}.json", model=DEX["adapters"]["models"]),
             distributed=DIST_RUNS,
             drafts=DRAFTS,
+            multiprocess=MP_RUNS,
         output:
             expand(f"{RESULTS}/tables/dex/{{name}}.{{ext}}", name=DEX_TABLE_NAMES, ext=["csv", "md"]),
         params:
@@ -134,7 +216,7 @@ if DEX:
             f"{LOGS}/dex/tables.log",
         shell:
             "python -m impl dex-tables --cells {input.cells} --adapters {input.adapters} --distributed {input.distributed} "
-            "--drafts {input.drafts} --out-dir {params.out} 2> {log}"
+            "--drafts {input.drafts} --multiprocess {input.multiprocess} --out-dir {params.out} 2> {log}"
 
     rule dex_figures:
         conda:

@@ -134,7 +134,7 @@ def speculative_arms(dex: DexSection, draft_dir: str | None = None, tev_drafters
         arms.append(Arm("assisted", "hf_assisted", {"assistant": str(draft_dir), **sp.assisted.model_dump()},
                         0.0, "fig5"))
     if sp.pearl is not None:
-        arms.append(Arm("pearl", "pearl", {"draft": str(draft_dir), **sp.pearl.model_dump()}, 0.0, "fig5"))
+        arms.append(Arm("pearl", "pearl", {"draft": str(draft_dir), "gamma": sp.pearl.gamma}, 0.0, "fig5"))
     if sp.dflash is not None and tev_drafters:
         arms.append(Arm("dflash_chain", "dflash_chain",
                         {"drafter": f"{tev_drafters}/{sp.dflash.objective}", "depth": sp.dflash.depth}, 0.0, "fig5"))

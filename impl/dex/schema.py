@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from ..sections import Section, section_defaults, section_schema, typed_section
+from ..tev.schema import Drafter
 from ..workloads.suites import SUITES
 
 __all__ = ["dex_section", "DexSection", "Distributed", "Decs", "Adapters", "Baselines", "Draft", "Speculative",
@@ -118,17 +119,33 @@ class AssistedArm(Section):
 
 class TrainedHead(Section):
     """``dex.speculative.dflash``: the trained draft head arm (method ``dflash_chain``): TEV's DFlash-style
-    block drafter of the model (rule tev_train) drafting a chain verified in one target pass."""
+    block drafter of the model drafting a chain verified in one target pass. A model in tev.models uses
+    its TEV drafters (rule tev_train); any other plain dex model gets a base drafter trained with
+    ``drafter``'s settings (rule train_head: the same training code, no ExitTrain objectives)."""
 
     objective: Literal["base", "token", "prefix", "exit"] = Field(
-        "exit", description="which of the model's TEV drafters (base, or an ExitTrain objective)")
-    depth: PosInt = Field(4, description="chain length (at most tev.drafter.block_size)")
+        "exit", description="which of the model's TEV drafters (base, or an ExitTrain objective; models not in "
+                            "tev.models have only base)")
+    depth: PosInt = Field(4, description="chain length (at most the drafter's block_size)")
+    drafter: Drafter | None = Field(None, description="the base drafter's settings for dex models not in tev.models "
+                                                      "(keys of tev.drafter); null: those models have no such arm")
 
 
 class PearlArm(Section):
     """``dex.speculative.pearl``: PEARL (method ``pearl``) with the model's ``dex.draft`` model."""
 
     gamma: PosInt = Field(4, description="the draft window")
+    distributed: bool = Field(True, description="also on two torch.distributed ranks (target, draft) for the "
+                                                "first of dex.models on every dex workload (rule dex_pearl_ranks)")
+
+
+class TensorParallelArm(Section):
+    """``dex.speculative.tensor_parallel``: transformers' tensor-parallel plan over ``ranks`` torch.distributed
+    ranks (:mod:`impl.spec.tensor_parallel`) for the first of dex.models on every dex workload (rule
+    dex_tensor_parallel)."""
+
+    ranks: Annotated[int, Field(ge=2)] = Field(2, description="K; must divide the attention heads, the key-value "
+                                                              "heads and the MLP width (SmolLM2-135M: 3)")
 
 
 class Speculative(Section):
@@ -141,6 +158,7 @@ class Speculative(Section):
     pearl: PearlArm | None = Field(None, description="needs dex.draft (the draft model)")
     dflash: TrainedHead | None = Field(None, description="in the cells of the models in tev.models (their TEV "
                                                          "drafters)")
+    tensor_parallel: TensorParallelArm | None = None
 
 
 class DexSection(Section):
@@ -200,18 +218,36 @@ def check(out: dict[str, Any]) -> None:
             raise ConfigError(f"config: 'dex.speculative.{arm}' needs 'dex.draft' (the draft model it decodes with)")
     fl = spec.get("dflash")
     if fl is not None:
-        tev = out.get("tev")
-        if not tev or not set(tev.get("models") or []) & set(d["models"]):
+        head = TrainedHead(**fl)
+        tev = out.get("tev") or {}
+        in_tev = set(tev.get("models") or []) & set(d["models"])
+        if not in_tev and head.drafter is None:
             raise ConfigError("config: 'dex.speculative.dflash' needs a model of 'dex.models' in 'tev.models' "
-                              "(its TEV drafters)")
-        H = (tev.get("drafter") or {}).get("block_size")
-        if H is not None and fl.get("depth", TrainedHead().depth) > H:
-            raise ConfigError(f"config: 'dex.speculative.dflash.depth' = {fl.get('depth', TrainedHead().depth)} "
-                              f"exceeds 'tev.drafter.block_size' = {H}")
-        objs = ["base"] + list((tev.get("exittrain") or {}).get("objectives") or [])
-        if fl.get("objective", TrainedHead().objective) not in objs:
-            raise ConfigError(f"config: 'dex.speculative.dflash.objective' = {fl.get('objective', 'exit')!r} is not "
-                              f"a drafter the TEV rules train ({', '.join(objs)})")
+                              "(its TEV drafters) or 'dex.speculative.dflash.drafter' (a drafter trained for DEX)")
+        if in_tev:
+            H = (tev.get("drafter") or {}).get("block_size")
+            if H is not None and head.depth > H:
+                raise ConfigError(f"config: 'dex.speculative.dflash.depth' = {head.depth} "
+                                  f"exceeds 'tev.drafter.block_size' = {H}")
+            objs = ["base"] + list((tev.get("exittrain") or {}).get("objectives") or [])
+            if head.objective not in objs:
+                raise ConfigError(f"config: 'dex.speculative.dflash.objective' = {head.objective!r} is not "
+                                  f"a drafter the TEV rules train ({', '.join(objs)})")
+        if head.drafter is not None and set(d["models"]) - in_tev:
+            if head.depth > head.drafter.block_size:
+                raise ConfigError(f"config: 'dex.speculative.dflash.depth' = {head.depth} exceeds "
+                                  f"'dex.speculative.dflash.drafter.block_size' = {head.drafter.block_size}")
+            if head.objective != "base":
+                raise ConfigError(f"config: 'dex.speculative.dflash.objective' = {head.objective!r}: the drafters "
+                                  "trained for DEX (models not in tev.models) have only 'base'")
+    tp = spec.get("tensor_parallel")
+    first = out["models"].get(d["models"][0]) if d["models"] else None
+    if tp is not None and first is not None and first["kind"] == "tiny":
+        a = out["tiny_arch"]
+        K = tp.get("ranks", TensorParallelArm().ranks)
+        bad = [f"tiny_arch.{k} = {a[k]}" for k in ("num_heads", "intermediate_size") if a.get(k) and a[k] % K]
+        if bad:
+            raise ConfigError(f"config: 'dex.speculative.tensor_parallel.ranks' = {K} does not divide {', '.join(bad)}")
     for i, w in enumerate(d["workloads"]):
         if w not in out["workloads"]:
             raise ConfigError(f"config: 'dex.workloads[{i}]' names '{w}', which is not a key of 'workloads'")

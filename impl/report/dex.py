@@ -211,6 +211,72 @@ def fig5_table(df: pd.DataFrame, arms: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def _mp_arm(r: dict) -> str:
+    """The Fig. 5 arm name of a multi-process row: ``pearl-2ranks`` or ``tensor_parallel-K``."""
+    return f"pearl-{r['world_size']}ranks" if r["method"] == "pearl" else f"{r['method']}-{r['world_size']}"
+
+
+#: kinds of the multi-process arms in the Fig. 5 table
+MP_KINDS = {"pearl": "parallel draft-and-verify, 2 processes (measured)",
+            "tensor_parallel": "tensor parallel, K processes on the shared cores (measured)"}
+
+
+def fig5_multiprocess_rows(mp_rows: list[dict]) -> list[dict]:
+    """``dex_fig5`` rows of the multi-process arms (PEARL on two ranks, tensor parallelism over K ranks;
+    :mod:`impl.spec.pearl_distributed`, :mod:`impl.spec.tensor_parallel`), one per (arm, workload): the
+    arm's wall time against AR's on the same prompts timed by rank 0 in the same run (``ar_seconds``),
+    per-prompt speedup mean and t-based 95% interval, AR equality of every row. Error rows are left out."""
+    ok = [r for r in mp_rows if "error" not in r and r.get("ar_seconds")]
+    if not ok:
+        return []
+    d = pd.DataFrame([{**r, "arm": _mp_arm(r), "variant": r.get("variant") or Path(str(r.get("model_dir"))).name}
+                      for r in ok])
+    out = []
+    for (variant, arm, suite), g in d.groupby(["variant", "arm", "suite"], sort=False):
+        sp = (g["ar_seconds"] / g["seconds"]).to_numpy(dtype=float)
+        sp = sp[np.isfinite(sp)]
+        r = one_sample(sp) if len(sp) else None
+        above = one_sample(sp - 1.0) if len(sp) else None
+        match = g["ar_match"].fillna(False).astype(bool) & g.get("rounds_match", pd.Series(True, index=g.index)).fillna(True).astype(bool)
+        tokens = int(g["n_new_tokens"].sum())
+        out.append({
+            "variant": variant, "suite": suite, "arm": arm,
+            "kind": MP_KINDS[g["method"].iloc[0]], "n_prompts": len(g), "tokens": tokens,
+            "tokens_per_s": _ratio(tokens, g["seconds"].sum()), "wall_speedup": _ratio(g["ar_seconds"].sum(), g["seconds"].sum()),
+            "projected_speedup": np.nan, "speedup_mean": r.mean if r else np.nan, "ci_low": r.ci_low if r else np.nan,
+            "ci_high": r.ci_high if r else np.nan, "above_ar": bool(above.resolved and above.mean > 0) if above else False,
+            "depth_speedup": np.nan, "ar_match_all": bool(match.all()),
+            "params": json.dumps({"world_size": int(g["world_size"].iloc[0]),
+                                  **({"gamma": int(g["gamma"].iloc[0])} if "gamma" in g and g["gamma"].notna().all() else {})}),
+        })
+    return out
+
+
+def multiprocess_table(mp_rows: list[dict]) -> pd.DataFrame:
+    """The multi-process arms' detail per (arm, workload): prompts, tokens, rounds and communication ms
+    per round (PEARL: rank 0's round wall minus the slower rank's compute), draft acceptance (PEARL:
+    tokens per round), the measured seconds of the arm and of AR, and the AR verdict."""
+    ok = [r for r in mp_rows if "error" not in r]
+    cols = ["arm", "suite", "prompts", "tokens", "rounds", "tokens_per_round", "comm_ms_per_round", "seconds",
+            "ar_seconds", "ar_match_all"]
+    if not ok:
+        return pd.DataFrame(columns=cols)
+    d = pd.DataFrame([{**r, "arm": _mp_arm(r)} for r in ok])
+    for c in ("rounds", "comm_seconds", "ar_seconds", "rounds_match"):
+        if c not in d:
+            d[c] = np.nan
+    out = []
+    for (arm, suite), g in d.groupby(["arm", "suite"], sort=False):
+        R = g["rounds"].sum(min_count=1)
+        out.append({"arm": arm, "suite": suite, "prompts": len(g), "tokens": int(g["n_new_tokens"].sum()), "rounds": R,
+                    "tokens_per_round": _ratio(g["n_new_tokens"].sum(), R) if R == R else np.nan,
+                    "comm_ms_per_round": 1000 * g["comm_seconds"].sum(min_count=1) / R if R == R and R else np.nan,
+                    "seconds": g["seconds"].sum(), "ar_seconds": g["ar_seconds"].sum(min_count=1),
+                    "ar_match_all": bool(g["ar_match"].fillna(False).astype(bool).all()
+                                         and g["rounds_match"].fillna(True).astype(bool).all())})
+    return pd.DataFrame(out, columns=cols)
+
+
 def overhead_table(df: pd.DataFrame) -> pd.DataFrame:
     """Table 1 shape: per (variant, K), average ms per round of expansion (explorer batches),
     collapse (commit + collapse), decode/commit bookkeeping, and communication where measured,
@@ -392,30 +458,68 @@ def distributed_table(distributed_rows: list[dict]) -> pd.DataFrame:
 
 
 def dex_tables(rows: list[dict], adapter_summaries: list[dict],
-               distributed_rows: list[dict] | None = None, draft_summaries: list[dict] | None = None
-               ) -> dict[str, pd.DataFrame]:
-    """All DEX tables from raw cell rows, adapter training summaries, the multi-process runs (whose
-    measured communication per round is added to the projected K-device time for the K measured) and
-    the draft models' training summaries."""
+               distributed_rows: list[dict] | None = None, draft_summaries: list[dict] | None = None,
+               multiprocess_rows: list[dict] | None = None) -> dict[str, pd.DataFrame]:
+    """All DEX tables from raw cell rows, adapter training summaries, the multi-process DEX runs (whose
+    measured communication per round is added to the projected K-device time for the K measured), the
+    draft models' training summaries and the multi-process Fig. 5 arms (PEARL on two ranks, tensor
+    parallelism), whose rows join ``dex_fig5``."""
     df = _frame(_decode_rows(rows))
     comm = comm_per_round(distributed_rows or [])
     df["comm_seconds"] = [r * comm[int(k)] if not np.isnan(k) and int(k) in comm and not np.isnan(r) else np.nan
                           for k, r in zip(df["K"], df["rounds_total"])]
     arms = arms_table(df)
-    return {"dex_arms": arms, "dex_claims": claims_table(df, arms), "dex_fig5": fig5_table(df, arms),
+    fig5 = fig5_table(df, arms)
+    mp = multiprocess_rows or []
+    if mp:
+        extra = pd.DataFrame(fig5_multiprocess_rows(mp))
+        fig5 = pd.concat([fig5, extra], ignore_index=True) if len(fig5) else extra
+        if len(fig5):  # each cell's rows together, AR first
+            order = {k: i for i, k in enumerate(dict.fromkeys(zip(fig5["variant"], fig5["suite"])))}
+            fig5 = fig5.iloc[sorted(range(len(fig5)), key=lambda i: order[(fig5["variant"].iloc[i], fig5["suite"].iloc[i])])]
+            fig5 = fig5.reset_index(drop=True)
+    return {"dex_arms": arms, "dex_claims": claims_table(df, arms), "dex_fig5": fig5,
             "dex_overhead": overhead_table(df),
             "dex_walltime_model": walltime_model_table(df, _decode_rows(rows)), "dex_tuning": tuning_table(rows),
             "dex_adapters": adapters_table(adapter_summaries), "dex_adapter_ead": adapter_ead_table(rows),
             "dex_distributed": distributed_table(distributed_rows or []),
-            "dex_draft": draft_table(draft_summaries or [])}
+            "dex_draft": draft_table(draft_summaries or []), "dex_fig5_multiprocess": multiprocess_table(mp)}
 
 
-__all__ = ["dex_tables", "arms_table", "claims_table", "fig5_table", "FIG5_KINDS", "overhead_table", "walltime_model_table", "tuning_table",
+__all__ = ["dex_tables", "arms_table", "claims_table", "fig5_table", "FIG5_KINDS", "MP_KINDS", "fig5_multiprocess_rows",
+           "multiprocess_table", "overhead_table", "walltime_model_table", "tuning_table",
            "adapters_table", "adapter_ead_table", "draft_table", "BASELINES"]
 
 
 def _md(df: pd.DataFrame) -> str:
     return df.to_markdown(index=False, floatfmt=".3f")
+
+
+def _fig5_standing(fig5: pd.DataFrame, ranks: list[tuple[int, int]], n_cells: int) -> list[str]:
+    """The report's summary of where DEX stands among the Fig. 5 arms on this machine: its rank per
+    cell, the arms resolved above AR, and DEX's K-device projection beside the measured arms."""
+    if not n_cells:
+        return []
+    out = []
+    if ranks:
+        top = sum(r == 1 for r, _ in ranks)
+        out.append(f"- **Where DEX stands on this CPU**: its fastest arm ranks {', '.join(f'{r}/{n}' for r, n in ranks)} "
+                   f"by measured wall speedup (first in {top}/{len(ranks)} cells).")
+    g = fig5[fig5.arm != "ar"]
+    above = g[g["above_ar"].astype(str).str.lower().eq("true")]
+    out.append("- Arms resolved above AR (per-prompt 95% interval of speedup - 1 above zero): "
+               + (", ".join(f"`{a}` ({int(c)} cells)" for a, c in above.groupby("arm", sort=False).size().items())
+                  if len(above) else "none") + ".")
+    dex = g[g.arm.astype(str).str.startswith("dex")]
+    proj = pd.to_numeric(dex.get("projected_speedup"), errors="coerce").dropna() if len(dex) else pd.Series(dtype=float)
+    pearl = pd.to_numeric(g.loc[g.arm == "pearl", "projected_speedup"], errors="coerce").dropna()
+    if len(proj):
+        line = (f"- Projected onto K devices (explorers on devices of their own, measured communication added), "
+                f"DEX's best arm gives {proj.min():.2f}-{proj.max():.2f}x AR")
+        if len(pearl):
+            line += f"; PEARL projected onto two devices {pearl.min():.2f}-{pearl.max():.2f}x"
+        out.append(line + ".")
+    return out + [""]
 
 
 def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | Path) -> list[str]:
@@ -474,14 +578,28 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
                   "model below), `lookahead` the harness's Lookahead decoding, `pearl` PEARL (draft and target "
                   "overlapped on two devices: `projected_speedup` from its measured parts; `wall_speedup` runs them "
                   "in turn), `dflash_chain` TEV's trained block drafter verified as a chain. The DEX row is the fastest DEX arm "
-                  "of the cell, picked on these same timings, so its speedup leans high.", "", _md(fig5), ""]
+                  "of the cell, picked on these same timings, so its speedup leans high. Rows of kind *measured* "
+                  "ran as several processes (one thread each) with AR timed by rank 0 on the same prompts in the "
+                  "same run: `pearl-2ranks` has the target and the draft model in two processes on the two cores "
+                  "(the overlap is real, communication included), `tensor_parallel-K` K processes sharing the "
+                  "two cores (for K > 2 the ranks time-slice, so it is a lower bound on what K devices give).",
+                  "", _md(fig5), ""]
+        ranks, n_cells = [], 0
         for (v, s), g in fig5.groupby(["variant", "suite"], sort=False):
             best = g[g.arm != "ar"].sort_values("wall_speedup", ascending=False)
             if len(best):
+                n_cells += 1
                 dex_rank = next((i + 1 for i, a in enumerate(best.arm.astype(str)) if a.startswith("dex")), None)
+                if dex_rank:
+                    ranks.append((dex_rank, len(best)))
                 lines.append(f"- {v} / {s}: fastest `{best.arm.iloc[0]}` ({best.wall_speedup.iloc[0]:.2f}x AR)"
                              + (f"; DEX ranks {dex_rank} of {len(best)}" if dex_rank else ""))
         lines.append("")
+        lines += _fig5_standing(fig5, ranks, n_cells)
+        mp = read("dex_fig5_multiprocess") if (td / "dex_fig5_multiprocess.csv").is_file() else pd.DataFrame()
+        if len(mp):
+            lines += ["Multi-process arms in detail (rank 0's measurements; `comm_ms_per_round`: PEARL's round wall "
+                      "time beyond the slower rank's compute, i.e. the exchange and the waiting):", "", _md(mp), ""]
         p = fd / "dex_fig5.png"
         if p.is_file():
             lines += [f"![Fig. 5 shape]({rel(p)})", ""]

@@ -54,7 +54,8 @@ from .result import DraftVerifyResult
 from .sampling import DecodeRule
 from .self_spec import _check_decode_args, _check_int, _sync
 
-__all__ = ["TIMELINE", "PearlRound", "PearlResult", "check_pearl", "pearl_decode"]
+__all__ = ["TIMELINE", "PearlRound", "PearlResult", "PostVerdict", "check_pearl", "continuation_length", "pearl_decode",
+           "post_verify"]
 
 #: the round kinds and their two-device time (module docstring)
 TIMELINE = {
@@ -237,36 +238,78 @@ class _Pearl:
         logits, t_t = self.t.forward(block)
         ys = self.rule.decode_rows(logits, [n + 1 + i for i in range(len(block))])  # ys[i]: after block[i]
         # the draft keeps drafting after the block's last token as if all of it were accepted
-        room = self.max_new - len(self.tokens) - len(block)  # tokens the budget leaves after the block
-        k = min(g, room) if room > 0 else 0
+        k = continuation_length(g, self.max_new, len(self.tokens), len(block))
         nxt, secs = self._draft(block[-1], k) if k > 0 else ([], [])
-        a = 1
-        while a < len(block) and block[a] == ys[a - 1]:
-            a += 1
-        crit = max(L, len(secs) * Ld)
-        drafted, accepted = len(block) - 1, a - 1
-        if a == len(block) and nxt:  # the draft's next block starts with e_1: checked against the target here
-            drafted += 1
-            accepted += int(nxt[0] == ys[-1])
-        if a < len(block) or not nxt or nxt[0] != ys[-1]:
-            # a rejection in the block, or the draft's next block starts wrong: commit and pre-verify
-            new = block[:a] + [ys[a - 1]]
-            self.t.crop(n + a)
-            self.d.crop(n + a)
-            self.block = None
-        elif len(nxt) == 1 and len(self.tokens) + len(block) + 1 >= self.max_new:
-            new = block + nxt  # e_1 (verified) ends the budget: no target pass left to run
-            self.block = None
-        else:
-            new = block  # all accepted; the draft's e_1 equals the target's next token: verify e_1..e_k
-            self.block = nxt
-        c = self._commit(new)
+        v = post_verify(block, ys, nxt, len(self.tokens), self.max_new)
+        if v.keep is not None:
+            self.t.crop(n + v.keep)
+            self.d.crop(n + v.keep)
+        self.block = v.next_block
+        c = self._commit(v.new)
         if self.stopped or len(self.tokens) >= self.max_new:
             self.block = None
         # committed drafts only (EOS or the budget may cut the block)
-        accepted = min(accepted, max(c - 1, 0)) if self.block is None else accepted
-        self.rounds.append(PearlRound("post", drafted, accepted, c, t_t, sum(secs), max(t_t, sum(secs)),
-                                      self.t.layer_work + self.d.layer_work - w0, crit))
+        accepted = min(v.accepted, max(c - 1, 0)) if self.block is None else v.accepted
+        self.rounds.append(PearlRound("post", v.drafted, accepted, c, t_t, sum(secs), max(t_t, sum(secs)),
+                                      self.t.layer_work + self.d.layer_work - w0, max(L, len(secs) * Ld)))
+
+
+def continuation_length(gamma: int, max_new: int, n_tokens: int, block_len: int) -> int:
+    """Draft tokens the post-verify continuation drafts after a block of ``block_len`` tokens: ``gamma``,
+    or fewer where the budget (``max_new`` minus the ``n_tokens`` committed and the block) ends first."""
+    room = max_new - n_tokens - block_len
+    return min(gamma, room) if room > 0 else 0
+
+
+@dataclass(frozen=True)
+class PostVerdict:
+    """What a post-verify round decides (:func:`post_verify`).
+
+    Attributes:
+        new: tokens to commit (EOS and the budget may still cut them).
+        next_block: the block the next round verifies (the draft's continuation), or None (pre-verify).
+        keep: block tokens whose KV both caches keep (crop both to ``n + keep``, ``n`` the committed
+            length before the round), or None (keep everything).
+        drafted, accepted: draft tokens the target's pass checked, and those it accepted.
+    """
+
+    new: list[int]
+    next_block: list[int] | None
+    keep: int | None
+    drafted: int
+    accepted: int
+
+
+def post_verify(block: list[int], ys: list[int], nxt: list[int], n_tokens: int, max_new: int) -> PostVerdict:
+    """PEARL's post-verify decision (Liu et al. 2025, Sec. 3.2; Algorithm 1's verification phase).
+
+    Args:
+        block: the verified block ``d_1..d_m`` (``d_1`` already accepted by pre-verify or the previous
+            round).
+        ys: the target's decodes after each block token (``ys[i]`` follows ``block[i]``), length m.
+        nxt: the draft's continuation ``e_1..e_k`` after ``d_m`` (may be empty).
+        n_tokens, max_new: tokens committed before the round and the budget.
+
+    Returns:
+        :class:`PostVerdict`: the accepted prefix and the target's correction on a rejection or when
+        ``e_1`` differs from the target's token after ``d_m`` (then pre-verify); the whole block, with
+        ``e_1..e_k`` verified next, otherwise. Every committed token is a target decode, so the output
+        equals AR's.
+    """
+    a = 1
+    while a < len(block) and block[a] == ys[a - 1]:
+        a += 1
+    drafted, accepted = len(block) - 1, a - 1
+    if a == len(block) and nxt:  # the draft's next block starts with e_1: checked against the target here
+        drafted += 1
+        accepted += int(nxt[0] == ys[-1])
+    if a < len(block) or not nxt or nxt[0] != ys[-1]:
+        # a rejection in the block, or the draft's next block starts wrong: commit and pre-verify
+        return PostVerdict(block[:a] + [ys[a - 1]], None, a, drafted, accepted)
+    if len(nxt) == 1 and n_tokens + len(block) + 1 >= max_new:
+        return PostVerdict(block + nxt, None, None, drafted, accepted)  # e_1 (verified) ends the budget
+    # all accepted; the draft's e_1 equals the target's next token: verify e_1..e_k next
+    return PostVerdict(block, nxt, None, drafted, accepted)
 
 
 @torch.inference_mode()

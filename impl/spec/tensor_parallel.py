@@ -15,7 +15,9 @@ A K-way split needs K to divide the attention heads, the key-value heads and the
 
 Timing: ``seconds`` is rank 0's wall time of ``generate`` with every all-reduce in it: on one machine
 the K ranks share its cores, so this is the measured time of K processes on those cores, not a
-K-device projection (the report says which).
+K-device projection (the report says which). ``ar_seconds`` is AR's wall time on the same prompt on
+rank 0 (one unsharded model, ``--threads`` threads) in the same run, while the other ranks wait at the
+next barrier; ``speedup_vs_ar`` their ratio.
 
 Command line (rank 0 writes one JSONL row per prompt)::
 
@@ -77,6 +79,8 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-new-tokens", type=positive_int, default=64)
+    ap.add_argument("--n-prompts", type=positive_int, default=None, help="decode only the first N prompts")
+    ap.add_argument("--variant", default=None, help="the model's name in the rows (default: the model directory's name)")
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--no-ar-check", action="store_true", help="skip the AR check on rank 0")
     ap.add_argument("--warmup-prompts", type=nonneg_int, default=1,
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = read_prompts(args.prompts)
     except ValueError as e:
         _fail(rank, str(e))
+    prompts = prompts[: args.n_prompts] if args.n_prompts else prompts
     torch.set_num_threads(args.threads)
     device = torch.device("cuda", local_rank) if cuda else None
     backend = "nccl" if cuda else "gloo"
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             prov = provenance({"method": "tensor_parallel", "world_size": world, "max_new_tokens": args.max_new_tokens},
                               device=str(device or "cpu"), dtype="float32")
             for r in rows:
-                r.update(model_dir=str(args.model), batch_size=1, **prov)
+                r.update(variant=args.variant or Path(args.model).name, model_dir=str(args.model), batch_size=1, **prov)
             write_jsonl(args.out, rows)
             bad = [r["prompt_id"] for r in rows if r.get("ar_match") is False]
             print(f"{args.out}: {len(rows)} rows, {len(bad)} differ from AR" + (f" ({bad})" if bad else ""),
@@ -165,10 +170,14 @@ def _decode_all(model, plain, prompts: list[dict], args, eos, rank: int, world: 
         t0 = time.perf_counter()
         tokens, stopped, _ = greedy_generate(model, ids, args.max_new_tokens, eos)
         secs = time.perf_counter() - t0
-        ar = ar_decode(plain, ids, args.max_new_tokens, eos_token_id=eos).tokens if plain is not None else None
-        rows.append({**base, "n_prompt_tokens": len(ids), "token_ids": tokens, "n_new_tokens": len(tokens),
-                     "stopped_at_eos": stopped, "seconds": secs,
-                     "ar_match": (tokens == ar) if ar is not None else None})
+        row = {**base, "n_prompt_tokens": len(ids), "token_ids": tokens, "n_new_tokens": len(tokens),
+               "stopped_at_eos": stopped, "seconds": secs, "ar_match": None}
+        if plain is not None:  # the other ranks wait at the next barrier meanwhile
+            ta = time.perf_counter()
+            ar = ar_decode(plain, ids, args.max_new_tokens, eos_token_id=eos).tokens
+            row.update(ar_match=tokens == ar, ar_seconds=time.perf_counter() - ta)
+            row["speedup_vs_ar"] = row["ar_seconds"] / secs if secs > 0 else None
+        rows.append(row)
     return rows if rank == 0 else []
 
 

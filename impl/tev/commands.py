@@ -34,15 +34,24 @@ def cmd_tev_train(args) -> None:
     from .train import ExitTrainConfig, train_exittrain
 
     cfg = config_from_args(args)
-    t = tev_section(cfg)
-    d = t.drafter
+    if args.dex_head:  # DEX Fig. 5's trained-head arm for a model TEV does not train: the base drafter only
+        from ..dex.schema import dex_section
+
+        dex = dex_section(cfg, why=" (the trained head's settings live in dex.speculative.dflash.drafter)")
+        d = dex.speculative.dflash.drafter if dex.speculative.dflash is not None else None
+        if d is None:
+            raise SystemExit("config: dex.speculative.dflash.drafter is not set (the trained head's drafter settings)")
+        stop_at_eos, objectives = dex.stop_at_eos, []
+    else:
+        t = tev_section(cfg)
+        d, stop_at_eos, objectives = t.drafter, t.stop_at_eos, t.exittrain.objectives
     torch.set_num_threads(d.threads)
     target = load_for(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
     core = core_config(cfg)
     prompts = sharegpt_prompt_ids(tok, core.data_dir, d.prompts, max_prompt_tokens=d.prompt_max_tokens)
     tcfg = DrafterTrainConfig.from_section(d, seed=core.seed, progress=not args.quiet)
-    eos = target.config.eos_token_id if t.stop_at_eos else None
+    eos = target.config.eos_token_id if stop_at_eos else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(core.seed)
         from .drafter import BlockDrafter
@@ -54,8 +63,8 @@ def cmd_tev_train(args) -> None:
         base, base_summary = train_drafter(target, None, tcfg, data=data)
     summaries = {"base": base_summary}
     drafters = {"base": base}
-    ecfg = ExitTrainConfig.from_section(t, seed=core.seed, eval_prompts=0, progress=not args.quiet)
-    for obj in t.exittrain.objectives:
+    for obj in objectives:
+        ecfg = ExitTrainConfig.from_section(t, seed=core.seed, eval_prompts=0, progress=not args.quiet)
         with torch.enable_grad():
             drafters[obj], summaries[obj] = train_exittrain(target, base, data, ecfg, objective=obj)
         log.info("tev-train %s: %.0f s", obj, summaries[obj]["seconds"]["total"])
@@ -146,6 +155,10 @@ def register(add) -> None:
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--out", required=True, help="directory for the drafters (base/, token/, prefix/, exit/)")
     sp.add_argument("--summary", required=True, help="training summary JSON")
+    sp.add_argument("--dex-head", action="store_true",
+                    help="train only the base drafter, with dex.speculative.dflash.drafter's settings (DEX Fig. 5's "
+                         "trained-head arm for a model not in tev.models)")
+
     def target_args(sp, drafters_help: str) -> None:  # the arguments tev-cell and tev-latency share
         sp.add_argument("--model", required=True, help="model name recorded in the rows")
         sp.add_argument("--model-dir", required=True, help="the target model's directory (a trained tiny model)")

@@ -9,12 +9,13 @@ every position in every arm (so AR equality still held) and wrote ``NaN`` into t
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from typing import Callable, NoReturn
 
-__all__ = ["ArgumentParser", "fraction", "nonneg_float", "nonneg_int", "port", "positive_float",
-           "positive_int", "temperature"]
+__all__ = ["ArgumentParser", "fraction", "json_object", "nonneg_float", "nonneg_int", "port", "positive_float",
+           "positive_int", "temperature", "usage_error"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -73,3 +74,26 @@ fraction = _bounded(float, 0.0, hi=1.0)
 """Finite float in [0, 1] (RandomSkip fractions)."""
 port = _bounded(int, 0, hi=65535)
 """TCP port, 0 (any free port) to 65535."""
+
+
+def json_object(text: str) -> dict:
+    """A JSON object given on the command line (``--params '{"gamma": 4}'``).
+
+    Raises:
+        argparse.ArgumentTypeError: not valid JSON (with the decoder's position), or JSON that is not an
+            object; argparse turns it into one line naming the argument, exit status 2.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {type(value).__name__}")
+    return value
+
+
+def usage_error(message: str) -> NoReturn:
+    """Refuse a combination of arguments the parser cannot check alone: ``error: <message>`` on stderr,
+    exit status 2 (argparse's status for bad usage), before any model is loaded."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -16,7 +16,7 @@ from pathlib import Path
 from .registry import Registry
 from .runtime import config_from_args, load_for, run_provenance, set_threads
 from .schema import core_config
-from .argtypes import ArgumentParser, nonneg_int, positive_int, temperature
+from .argtypes import ArgumentParser, json_object, nonneg_int, positive_int, temperature, usage_error
 from .workloads.prompts import read_prompts
 
 log = logging.getLogger("impl")
@@ -310,20 +310,15 @@ def cmd_decode(args) -> None:
 
     if args.method != "dex" and (args.exploration_set or args.explorers or args.decs or args.single_exit
                                  or args.adapters):
-        raise SystemExit("error: --exploration-set/--explorers/--decs/--single-exit/--adapters apply to --method dex only")
+        usage_error("--exploration-set/--explorers/--decs/--single-exit/--adapters apply to --method dex only")
     params: dict = {}
-    if args.params:
+    if args.params is not None:  # a JSON object (argtypes.json_object)
         if args.method in ("ar", "dex"):
-            raise SystemExit("error: --params applies to the methods with parameters ("
-                             + ", ".join(m for m in METHODS if m not in ("ar", "dex")) + "), not to " + args.method)
-        try:
-            params = json.loads(args.params)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"error: --params is not valid JSON: {e}") from None
-        if not isinstance(params, dict):
-            raise SystemExit("error: --params must be a JSON object")
+            usage_error("--params applies to the methods with parameters ("
+                        + ", ".join(m for m in METHODS if m not in ("ar", "dex")) + "), not to " + args.method)
+        params = args.params
     elif args.method not in ("ar", "dex", "dynamic_exit"):  # every other method has required parameters
-        raise SystemExit(f"error: --method {args.method} needs --params (see python -m impl decode --help)")
+        usage_error(f"--method {args.method} needs --params (see python -m impl decode --help)")
     torch.set_num_threads(args.threads)
     model = load_model(args.model_dir, dtype=getattr(torch, args.dtype))
     tok = load_tokenizer(args.model_dir)
@@ -598,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
              "each row checked against AR")
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--method", required=True, choices=list(METHODS))
-    sp.add_argument("--params", help="the method's parameters as JSON (every method but ar and dex), e.g. self_spec "
+    sp.add_argument("--params", type=json_object, help="the method's parameters as JSON (every method but ar and dex), e.g. self_spec "
                     "'{\"exit_layer\": 4, \"num_speculations\": 4}', lookahead "
                     "'{\"window\": 5, \"ngram\": 4, \"max_candidates\": 5}'")
     sp.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids or text")

@@ -50,6 +50,23 @@ def test_decode_refuses_bad_numbers_before_loading(capsys, tmp_path, flag, value
     assert f"argument {flag}" in err and repr(value) in err
 
 
+@pytest.mark.parametrize("params, needle", [("{gamma: 4}", "argument --params: not valid JSON"),
+                                            ("[4]", "argument --params: must be a JSON object"),
+                                            (None, "--method pearl needs --params")])
+def test_decode_refuses_bad_params_with_usage_status(capsys, tmp_path, params, needle):
+    """Bad --params (malformed, not an object, missing) is bad usage: exit status 2 and one line, before any
+    model is loaded (the model directory does not exist)."""
+    argv = ["decode", "--model-dir", str(tmp_path / "none"), "--method", "pearl", "--prompts", "p", "--out", "o"]
+    err = _cli_error(capsys, argv + (["--params", params] if params is not None else []))
+    assert needle in err
+
+
+def test_decode_params_on_a_method_without_them_is_usage(capsys, tmp_path):
+    err = _cli_error(capsys, ["decode", "--model-dir", str(tmp_path / "none"), "--method", "ar", "--prompts", "p",
+                              "--out", "o", "--params", "{}"])
+    assert err.startswith("error: --params applies to the methods with parameters (") and "not to ar" in err
+
+
 def test_decode_dtype_choices(capsys, tmp_path):
     err = _cli_error(capsys, ["decode", "--model-dir", str(tmp_path), "--method", "ar", "--prompts", "p",
                               "--out", "o", "--dtype", "float64"])

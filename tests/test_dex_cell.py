@@ -227,9 +227,16 @@ def test_multiprocess_arms_join_the_fig5_table():
     t = multiprocess_table(mp).set_index("arm")
     assert t.loc["pearl-2ranks", "rounds"] == 10 and t.loc["pearl-2ranks", "comm_ms_per_round"] == pytest.approx(10.0)
     assert t.loc["pearl-2ranks", "tokens_per_round"] == pytest.approx(2.0) and t["ar_match_all"].all()
-    mp[1]["rounds_match"] = False
-    assert not multiprocess_table(mp).set_index("arm").loc["pearl-2ranks", "ar_match_all"]
+    assert bool(t.loc["pearl-2ranks", "rounds_match_all"]) and t.loc["pearl-2ranks", "rounds"] == 10
+    assert pd.isna(t.loc["tensor_parallel-3", "rounds_match_all"])  # TP has no rounds to compare
+    assert pd.isna(t.loc["tensor_parallel-3", "rounds"])
+    mp[1]["rounds_match"] = False  # a rounds mismatch shows in the detail table, not as an AR mismatch
+    t = multiprocess_table(mp).set_index("arm")
+    assert t.loc["pearl-2ranks", "ar_match_all"] and not t.loc["pearl-2ranks", "rounds_match_all"]
+    mp[0]["ar_match"] = False
     assert not pd.DataFrame(fig5_multiprocess_rows(mp)).set_index("arm").loc["pearl-2ranks", "ar_match_all"]
+    mp.append({**mp[0], "ar_seconds": None, "prompt_id": "p9"})  # without AR timing (--no-check): left out of dex_fig5
+    assert pd.DataFrame(fig5_multiprocess_rows(mp)).set_index("arm").loc["pearl-2ranks", "n_prompts"] == 2
     lines = "\n".join(_fig5_standing(pd.DataFrame(fig5_multiprocess_rows(mp)), [(2, 2)], 1))
     assert "ranks 2/2" in lines and "`tensor_parallel-3` (1 cells)" in lines
 

@@ -385,6 +385,7 @@ ACCEPTED = [{"top_p": 0.9}, {"top_k": 40}, {"top_k": -1}, {"min_p": 0.05}, {"see
 
 
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(upstream):
+    before = _get(upstream.url, "/v1/vskipper/stats")[1]["counters"]
     for body, status, words in BAD:
         code, out = _json(upstream.url, body)
         assert code == status, (body, out)
@@ -408,6 +409,11 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(upstream):
         assert code == 400 and words in out["error"]["message"], (body, out)
     code, out = _json(upstream.url, {"prompt": "hi"}, headers={"X-Request-ID": "x" * 1000})
     assert code == 400 and "'X-Request-ID' must be a non-empty string" in out["error"]["message"], out
+    # every 4xx above counts as rejected, none as admitted: requests grew by the accepted ones only
+    after = _get(upstream.url, "/v1/vskipper/stats")[1]["counters"]
+    n_bad = len(BAD) + 4 + 2 + 1 + 3 + len(BAD_CHAT) + 1  # BAD, raw bodies, bad text, chat template, chat bodies, header
+    assert after["rejected"] - before["rejected"] == n_bad
+    assert after["requests"] - before["requests"] >= len(ACCEPTED)  # (a request of an earlier test may land late)
     code, out = _json(upstream.url, {"prompt": "hi"}, headers={"Content-Type": "text/plain"})
     assert code == 400 and "'Content-Type: application/json' (got 'text/plain')" in out["error"]["message"], out
     # a body over the 64 MiB limit gets a JSON 413: announced by Content-Length (refused unread), or

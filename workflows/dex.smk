@@ -42,8 +42,8 @@ if DEX:
             draft=lambda w, input: f"--draft {input.draft}" if "draft" in input.keys() else "",
             tev=lambda w, input: f"--tev-drafters {input.tev_drafters}" if "tev_drafters" in input.keys() else "",
             sig=lambda w: sig("seed", "threads", "device", "dtype",
-                              dex={k: v for k, v in DEX.items()
-                                   if k not in ("models", "workloads", "adapters", "distributed", "draft")}),
+                              dex={k: ({a: c for a, c in v.items() if a != "tensor_parallel"} if k == "speculative" and v else v)
+                                   for k, v in DEX.items() if k not in ("models", "workloads", "adapters", "distributed", "draft")}),
         threads: CFG["threads"]
         log:
             f"{LOGS}/dex/{{variant}}/{{suite}}.log",
@@ -142,6 +142,7 @@ if DEX:
     # the target and the draft on two ranks, and transformers' tensor-parallel plan over K ranks; one thread
     # per rank, rank 0 times AR on the same prompts in the same run and checks the ids
     MP_MODEL = DEX["models"][0]
+    MP_DEVICE = "cpu" if CFG["device"] == "cpu" else "auto"  # device: cpu keeps the ranks on CPU (gloo) on a GPU host
     MP_ARMS = (["pearl"] if SPEC.pearl is not None and SPEC.pearl.distributed else []) + \
               ([f"tp{SPEC.tensor_parallel.ranks}"] if SPEC.tensor_parallel is not None else [])
     MP_RUNS = expand(f"{RESULTS}/dex/multiprocess/{MP_MODEL}/{{suite}}/{{arm}}.jsonl", suite=DEX["workloads"], arm=MP_ARMS)
@@ -160,6 +161,7 @@ if DEX:
             new=DEX["max_new_tokens"],
             gamma=SPEC.pearl.gamma if SPEC.pearl is not None else None,
             variant=MP_MODEL,
+            device=MP_DEVICE,
             eos="" if DEX["stop_at_eos"] else "--ignore-eos",
         threads: 2
         log:
@@ -170,7 +172,7 @@ if DEX:
             "OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 "
             "-m impl.spec.pearl_distributed --model {input.model} --draft {input.draft} --prompts {input.prompts} "
             "--n-prompts {params.n} --variant {params.variant} --out {output} --max-new-tokens {params.new} --gamma {params.gamma} {params.eos} "
-            "--warmup-prompts 1 --device auto 2> {log}"
+            "--warmup-prompts 1 --device {params.device} 2> {log}"
 
     rule dex_tensor_parallel:
         conda:
@@ -182,6 +184,7 @@ if DEX:
             f"{RESULTS}/dex/multiprocess/{MP_MODEL}/{{suite}}/tp{{k}}.jsonl",
         params:
             variant=MP_MODEL,
+            device=MP_DEVICE,
             n=DEX["n_prompts"],
             new=DEX["max_new_tokens"],
             eos="" if DEX["stop_at_eos"] else "--ignore-eos",
@@ -193,7 +196,7 @@ if DEX:
         shell:
             "OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node {wildcards.k} "
             "-m impl.spec.tensor_parallel --model {input.model} --prompts {input.prompts} --n-prompts {params.n} --variant {params.variant} "
-            "--out {output} --max-new-tokens {params.new} {params.eos} --warmup-prompts 1 --device auto 2> {log}"
+            "--out {output} --max-new-tokens {params.new} {params.eos} --warmup-prompts 1 --device {params.device} 2> {log}"
 
     DEX_TABLE_NAMES = ["dex_arms", "dex_claims", "dex_fig5", "dex_overhead", "dex_walltime_model", "dex_tuning", "dex_adapters",
                        "dex_adapter_ead", "dex_distributed", "dex_draft", "dex_fig5_multiprocess"]

@@ -19,6 +19,7 @@ Claims are paired per prompt with a t-based 95% interval (:mod:`impl.stats`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from scipy.optimize import lsq_linear
 
 from ..config import split_variant
 from ..stats import one_sample, paired_difference
+
+log = logging.getLogger("impl.report.dex")
 
 BASELINES = ("self_spec", "adadecode", "dynamic_exit")
 
@@ -227,17 +230,19 @@ def fig5_multiprocess_rows(mp_rows: list[dict]) -> list[dict]:
     arm's wall time against AR's on the same prompts timed by rank 0 in the same run (``ar_seconds``),
     per-prompt speedup mean and t-based 95% interval, AR equality of every row. Error rows are left out."""
     ok = [r for r in mp_rows if "error" not in r and r.get("ar_seconds")]
+    skipped = sum("error" not in r and not r.get("ar_seconds") for r in mp_rows)
+    if skipped:
+        log.warning("dex_fig5: %d multi-process rows without ar_seconds (run with --no-check?) left out", skipped)
     if not ok:
         return []
-    d = pd.DataFrame([{**r, "arm": _mp_arm(r), "variant": r.get("variant") or Path(str(r.get("model_dir"))).name}
-                      for r in ok])
+    d = _mp_frame(ok)
     out = []
-    for (variant, arm, suite), g in d.groupby(["variant", "arm", "suite"], sort=False):
+    for (variant, arm, suite), g in d.groupby(["variant", "arm", "suite"], sort=False, dropna=False):
         sp = (g["ar_seconds"] / g["seconds"]).to_numpy(dtype=float)
         sp = sp[np.isfinite(sp)]
         r = one_sample(sp) if len(sp) else None
         above = one_sample(sp - 1.0) if len(sp) else None
-        match = g["ar_match"].fillna(False).astype(bool) & g.get("rounds_match", pd.Series(True, index=g.index)).fillna(True).astype(bool)
+        match = g["ar_match"].fillna(False).astype(bool)
         tokens = int(g["n_new_tokens"].sum())
         out.append({
             "variant": variant, "suite": suite, "arm": arm,
@@ -252,29 +257,42 @@ def fig5_multiprocess_rows(mp_rows: list[dict]) -> list[dict]:
     return out
 
 
-def multiprocess_table(mp_rows: list[dict]) -> pd.DataFrame:
-    """The multi-process arms' detail per (arm, workload): prompts, tokens, rounds and communication ms
-    per round (PEARL: rank 0's round wall minus the slower rank's compute), draft acceptance (PEARL:
-    tokens per round), the measured seconds of the arm and of AR, and the AR verdict."""
-    ok = [r for r in mp_rows if "error" not in r]
-    cols = ["arm", "suite", "prompts", "tokens", "rounds", "tokens_per_round", "comm_ms_per_round", "seconds",
-            "ar_seconds", "ar_match_all"]
-    if not ok:
-        return pd.DataFrame(columns=cols)
-    d = pd.DataFrame([{**r, "arm": _mp_arm(r)} for r in ok])
-    for c in ("rounds", "comm_seconds", "ar_seconds", "rounds_match"):
+def _mp_frame(rows: list[dict]) -> pd.DataFrame:
+    """Multi-process rows as a frame with the columns the tables read (absent ones NaN), ``arm`` and
+    ``variant`` (the row's, else the model directory's name) added."""
+    d = pd.DataFrame([{**r, "arm": _mp_arm(r), "variant": r.get("variant") or Path(str(r.get("model_dir"))).name}
+                      for r in rows])
+    for c in ("suite", "rounds", "comm_seconds", "ar_seconds", "ar_match", "rounds_match"):
         if c not in d:
             d[c] = np.nan
+    return d
+
+
+def multiprocess_table(mp_rows: list[dict]) -> pd.DataFrame:
+    """The multi-process arms' detail per (variant, arm, workload): prompts, tokens, rounds and
+    communication ms per round (PEARL: rank 0's round wall minus the slower rank's compute), tokens per
+    round (PEARL), the measured seconds of the arm and of AR, the AR verdict and (PEARL) whether every
+    prompt ran the single-process executor's rounds (``rounds_match_all``; empty where not checked)."""
+    ok = [r for r in mp_rows if "error" not in r]
+    cols = ["variant", "arm", "suite", "prompts", "tokens", "rounds", "tokens_per_round", "comm_ms_per_round",
+            "seconds", "ar_seconds", "ar_match_all", "rounds_match_all"]
+    if not ok:
+        return pd.DataFrame(columns=cols)
+    d = _mp_frame(ok)
     out = []
-    for (arm, suite), g in d.groupby(["arm", "suite"], sort=False):
+    for (variant, arm, suite), g in d.groupby(["variant", "arm", "suite"], sort=False, dropna=False):
         R = g["rounds"].sum(min_count=1)
-        out.append({"arm": arm, "suite": suite, "prompts": len(g), "tokens": int(g["n_new_tokens"].sum()), "rounds": R,
-                    "tokens_per_round": _ratio(g["n_new_tokens"].sum(), R) if R == R else np.nan,
+        rm = g["rounds_match"].dropna()
+        out.append({"variant": variant, "arm": arm, "suite": suite, "prompts": len(g), "tokens": int(g["n_new_tokens"].sum()),
+                    "rounds": R, "tokens_per_round": _ratio(g["n_new_tokens"].sum(), R) if R == R else np.nan,
                     "comm_ms_per_round": 1000 * g["comm_seconds"].sum(min_count=1) / R if R == R and R else np.nan,
                     "seconds": g["seconds"].sum(), "ar_seconds": g["ar_seconds"].sum(min_count=1),
-                    "ar_match_all": bool(g["ar_match"].fillna(False).astype(bool).all()
-                                         and g["rounds_match"].fillna(True).astype(bool).all())})
-    return pd.DataFrame(out, columns=cols)
+                    "ar_match_all": bool(g["ar_match"].fillna(False).astype(bool).all()),
+                    "rounds_match_all": bool(rm.astype(bool).all()) if len(rm) else None})
+    t = pd.DataFrame(out, columns=cols)
+    t["rounds"] = t["rounds"].astype("Int64")  # empty where the arm has no rounds (TP)
+    t["rounds_match_all"] = t["rounds_match_all"].astype("boolean")
+    return t
 
 
 def overhead_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -598,6 +616,10 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
         lines += _fig5_standing(fig5, ranks, n_cells)
         mp = read("dex_fig5_multiprocess") if (td / "dex_fig5_multiprocess.csv").is_file() else pd.DataFrame()
         if len(mp):
+            rm = mp["rounds_match_all"].dropna().astype(str).str.lower() if "rounds_match_all" in mp else pd.Series(dtype=str)
+            if len(rm):
+                lines += [f"- two-rank PEARL ran the single-process executor's rounds (kinds, tokens committed) on "
+                          f"every prompt: **{'PASS' if rm.eq('true').all() else 'FAIL'}**", ""]
             lines += ["Multi-process arms in detail (rank 0's measurements; `comm_ms_per_round`: PEARL's round wall "
                       "time beyond the slower rank's compute, i.e. the exchange and the waiting):", "", _md(mp), ""]
         p = fd / "dex_fig5.png"

@@ -305,7 +305,9 @@ class EngineDriver:
         self.stop_timeout_s = float(stop_timeout_s)
         self.freeze_gc = bool(freeze_gc)
         self.settings: dict[str, Any] = {}
-        self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "refused": 0,
+        # requests: admitted to the engine; refused: the engine's queue said no (503); rejected: answered
+        # with a 4xx by the HTTP layer before reaching the engine (note_rejected)
+        self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "refused": 0, "rejected": 0,
                          "prompt_tokens": 0, "completion_tokens": 0}
         self._manager = None
         self._tap = _LogprobTap()
@@ -525,6 +527,12 @@ class EngineDriver:
                     self.counters["refused"] += 1
             raise EngineError("the engine refused the request (queue full or stopping)", 503, "service_unavailable")
         return live
+
+    def note_rejected(self) -> None:
+        """Count a request the HTTP layer refused with a 4xx (bad body, unknown model, prompt too long, ...)
+        before it reached the engine: ``counters["rejected"]``, beside ``requests`` (admitted ones)."""
+        with self._cond:
+            self.counters["rejected"] += 1
 
     def cancel(self, live: LiveRequest) -> None:
         """Cancel a request in the engine (stop string hit, client gone, timeout). Its id stays reserved

@@ -47,6 +47,7 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -323,23 +324,38 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _decode_all(model, draft, prompts: list[dict], args, rank: int, device, backend: str) -> list[dict]:
-    """Every rank decodes every prompt (warm-up first, unrecorded); rank 0 checks and returns the rows."""
+    """Every rank decodes every prompt (warm-up first, unrecorded); rank 0 checks and returns the rows.
+
+    Both ranks validate prompts and take EOS from the *target's* config (``--model``), so they skip the
+    same prompts and stop at the same token whatever the draft's config says."""
+    from transformers import AutoConfig
+
+    target_cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    shape = SimpleNamespace(config=target_cfg)  # what _check_decode_args reads: vocabulary and context
     rule = DecodeRule(temperature=args.temperature, seed=args.seed)
-    eos = None if args.ignore_eos else model.config.eos_token_id
+    eos = None if args.ignore_eos else target_cfg.eos_token_id
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     kw = dict(gamma=args.gamma, rule=rule, eos_token_id=eos, device=device)
-    usable = [p for p in prompts if p.get("input_ids")]
-    for p in usable[: args.warmup_prompts]:
-        rank_pearl_decode(model, list(p["input_ids"]), args.max_new_tokens, **kw)
+
+    def checked(p: dict) -> list[int]:
+        return _check_decode_args(shape, list(p.get("input_ids") or []), args.max_new_tokens, eos)
+
+    usable = []
+    for p in prompts:
+        try:
+            usable.append(checked(p))
+        except ValueError:
+            pass
+    for ids in usable[: args.warmup_prompts]:
+        rank_pearl_decode(model, ids, args.max_new_tokens, **kw)
     rows = []
     for p in prompts:
         base = {"prompt_id": p.get("id"), "suite": p.get("suite"), "method": "pearl", "executor": "distributed",
                 "backend": backend, "world_size": 2, "gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
                 "temperature": args.temperature}
-        ids = list(p.get("input_ids") or [])
         try:
-            ids = _check_decode_args(model, ids, args.max_new_tokens, eos)
+            ids = checked(p)
         except ValueError as e:  # the same on both ranks: both skip the prompt
             rows.append({**base, "error": str(e)})
             continue
@@ -354,7 +370,7 @@ def _decode_all(model, draft, prompts: list[dict], args, rank: int, device, back
                "comm_seconds": sum(r.comm_seconds for r in rounds),
                "target_seconds": sum(r.target_seconds for r in rounds),
                "draft_seconds": sum(r.draft_seconds for r in rounds),
-               "accepted_per_round": len(tokens) / max(len(rounds), 1),
+               "tokens_per_round": len(tokens) / max(len(rounds), 1),
                "round_log": [asdict(r) for r in rounds]}
         if draft is not None:
             ta = time.perf_counter()

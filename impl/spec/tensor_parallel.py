@@ -109,9 +109,13 @@ def main(argv: list[str] | None = None) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cpu":  # before anything asks CUDA: transformers picks the mesh device from the accelerator
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    cuda = args.device != "cpu" and torch.cuda.is_available()
-    if args.device == "cuda" and not cuda:
+    # auto: CUDA only with a GPU per rank on this node, else gloo on CPU
+    n_gpu = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 0
+    cuda = args.device == "cuda" or (args.device == "auto" and n_gpu >= int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if args.device == "cuda" and not n_gpu:
         _fail(rank, "--device cuda but CUDA is not available")
+    if args.device == "auto" and not cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if cuda and local_rank >= torch.cuda.device_count():
         _fail(rank, f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
                     "start at most that many ranks per node, or pass --device cpu (gloo)")
@@ -154,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
 @torch.inference_mode()
 def _decode_all(model, plain, prompts: list[dict], args, eos, rank: int, world: int, backend: str) -> list[dict]:
     """Every rank decodes every prompt (warm-up first, unrecorded); rank 0 returns the rows."""
-    usable = [p for p in prompts if p.get("input_ids")]
+    V, ctx = model.config.vocab_size, getattr(model.config, "max_position_embeddings", None)
+    usable = [p for p in prompts if p.get("input_ids") and all(isinstance(t, int) and 0 <= t < V for t in p["input_ids"])
+              and (ctx is None or len(p["input_ids"]) + args.max_new_tokens <= ctx)]
     for p in usable[: args.warmup_prompts]:
         greedy_generate(model, list(p["input_ids"]), args.max_new_tokens, eos)
     rows = []

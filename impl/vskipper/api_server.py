@@ -616,14 +616,20 @@ def build_app(engine: CompletionEngine) -> FastAPI:
     app = FastAPI(title="vSkipper engine arm", summary="OpenAI-compatible completions in front of one "
                   "continuous-batching engine arm", docs_url="/docs", redoc_url=None, max_body_size=_MAX_BODY)
 
+    def _rejected(request: Request, response: JSONResponse) -> JSONResponse:
+        """A 4xx answer to a POST (a request refused before the engine) counts in ``counters["rejected"]``."""
+        if request.method == "POST" and 400 <= response.status_code < 500:
+            engine.note_rejected()
+        return response
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         ctype = request.headers.get("content-type", "")
         if request.method == "POST" and "json" not in ctype.lower():
-            return _error(400, f"the request body must be JSON sent with 'Content-Type: application/json' (got "
-                               f"{ctype or 'no Content-Type'!r})", "Content-Type")
+            return _rejected(request, _error(400, f"the request body must be JSON sent with 'Content-Type: "
+                                                  f"application/json' (got {ctype or 'no Content-Type'!r})", "Content-Type"))
         msg, field = _validation_message(exc)
-        return _error(400, msg, field)
+        return _rejected(request, _error(400, msg, field))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -635,15 +641,15 @@ def build_app(engine: CompletionEngine) -> FastAPI:
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             # FastAPI's answer to a body json.loads cannot decode, e.g. bytes that are not UTF-8
             msg = "the request body is not valid JSON (UTF-8 text expected)"
-        return _error(exc.status_code, msg, kind=kind)
+        return _rejected(request, _error(exc.status_code, msg, kind=kind))
 
     @app.exception_handler(RequestError)
-    async def _refused(_request: Request, exc: RequestError):
-        return _error(exc.status, exc.message, exc.param, exc.kind)
+    async def _refused(request: Request, exc: RequestError):
+        return _rejected(request, _error(exc.status, exc.message, exc.param, exc.kind))
 
     @app.exception_handler(EngineError)
-    async def _engine(_request: Request, exc: EngineError):
-        return _error(exc.status, str(exc), kind=exc.kind)
+    async def _engine(request: Request, exc: EngineError):
+        return _rejected(request, _error(exc.status, str(exc), kind=exc.kind))
 
     def _ready() -> None:
         if not engine.healthy:

@@ -51,6 +51,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from ..argtypes import ArgumentParser, nonneg_int, positive_float, positive_int, temperature
 from ..models.load import load_model
@@ -328,8 +329,6 @@ def _decode_all(model, draft, prompts: list[dict], args, rank: int, device, back
 
     Both ranks validate prompts and take EOS from the *target's* config (``--model``), so they skip the
     same prompts and stop at the same token whatever the draft's config says."""
-    from transformers import AutoConfig
-
     target_cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
     shape = SimpleNamespace(config=target_cfg)  # what _check_decode_args reads: vocabulary and context
     rule = DecodeRule(temperature=args.temperature, seed=args.seed)

@@ -410,7 +410,8 @@ def cmd_dex_tables(args) -> None:
     dist = [r for f in args.distributed for r in read_jsonl(f)]
     drafts = [json.loads(Path(f).read_text()) for f in args.drafts]
     mp = [r for f in args.multiprocess for r in read_jsonl(f)]
-    for name, df in dex_tables(rows, summaries, dist, drafts, mp).items():
+    heads = [json.loads(Path(f).read_text()) for f in args.heads]
+    for name, df in dex_tables(rows, summaries, dist, drafts, mp, heads).items():
         write_table(df, Path(args.out_dir) / name)
     log.info("DEX tables from %d cells -> %s", len(args.cells), args.out_dir)
 
@@ -628,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--drafts", nargs="*", default=[], help="draft training summaries (train-draft)")
     sp.add_argument("--multiprocess", nargs="*", default=[],
                     help="rows of the multi-process Fig. 5 arms (impl.spec.pearl_distributed, impl.spec.tensor_parallel)")
+    sp.add_argument("--heads", nargs="*", default=[], help="trained-head summaries (tev-train --dex-head)")
     sp.add_argument("--out-dir", required=True)
     sp = add("dex-figures", cmd_dex_figures, "DEX Fig. 3 / Fig. 4 shapes from the DEX tables")
     sp.add_argument("--tables-dir", required=True)

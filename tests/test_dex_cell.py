@@ -257,6 +257,21 @@ def test_speculative_arms_check_their_sources_in_the_config():
         smoke_config(dex={"speculative": {"tensor_parallel": {"ranks": 3}}})
     with pytest.raises(ConfigError, match="tensor_parallel.ranks"):
         smoke_config(dex={"speculative": {"tensor_parallel": {"ranks": 1}}})
+
+
+
+def test_tensor_parallel_ranks_checked_against_a_pretrained_models_config(tmp_path):
+    from impl.config import ConfigError
+    from conftest import smoke_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3,
+                                                      "intermediate_size": 1536}))
+    over = {"models": {"pre": {"kind": "pretrained", "path": str(tmp_path)}}}
+    dex = {"models": ["pre"], "adapters": {"models": []}}
+    with pytest.raises(ConfigError, match=r"ranks' = 2 does not divide num_attention_heads = 9 .*num_key_value_heads = 3"):
+        smoke_config(**over, dex={**dex, "speculative": {"dflash": None, "tensor_parallel": {"ranks": 2}}})
+    cfg = smoke_config(**over, dex={**dex, "speculative": {"dflash": None, "tensor_parallel": {"ranks": 3}}})
+    assert cfg["dex"]["speculative"]["tensor_parallel"] == {"ranks": 3}
     # a model TEV does not train gets a drafter trained for DEX (dflash.drafter): base only, depth within its block
     head = {"objective": "base", "depth": 2, "drafter": {"block_size": 2}}
     cfg = smoke_config(dex={"models": ["tiny-std"], "speculative": {"dflash": head}})

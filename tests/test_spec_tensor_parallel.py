@@ -41,7 +41,8 @@ def tp_model(tmp_path_factory):
     LlamaForCausalLM(cfg).save_pretrained(d)
     p = d.parent / "prompts.jsonl"
     p.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": ids}) + "\n" for i, ids in enumerate(PROMPTS))
-                 + json.dumps({"id": "empty", "input_ids": []}) + "\n")
+                 + json.dumps({"id": "empty", "input_ids": []}) + "\n"
+                 + json.dumps({"id": "foreign", "input_ids": [1, 999]}) + "\n")
     return d, p
 
 
@@ -62,7 +63,8 @@ def test_two_ranks_equal_ar(tp_model, tmp_path):
     proc = _torchrun(2, "--model", d, "--prompts", prompts, "--out", out, "--max-new-tokens", 12, "--ignore-eos")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["prompt_id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(rows) == {"p0", "p1", "p2", "empty"} and "error" in rows["empty"]
+    assert set(rows) == {"p0", "p1", "p2", "empty", "foreign"} and "error" in rows["empty"]
+    assert "outside [0, 97)" in rows["foreign"]["error"]  # an error row on every rank; the others still run
     for pid in ("p0", "p1", "p2"):
         r = rows[pid]
         assert r["ar_match"] is True and r["n_new_tokens"] == 12 and r["world_size"] == 2

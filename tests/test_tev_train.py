@@ -283,6 +283,10 @@ def test_tev_train_dex_head_trains_only_the_base_drafter(tmp_path, tiny_tokenize
     from impl.tev.drafter import BlockDrafter
 
     assert BlockDrafter.load(out / "base", target).block_size == 3
+    from impl.report.dex import head_table
+
+    t = head_table([s]).iloc[0]  # the report's dex_head row
+    assert t["block_size"] == 3 and t["n_prompts"] == 4 and t["steps"] == 2 and t["chain_tau_after"] >= 1.0
     cfg["dex"]["speculative"]["dflash"]["drafter"] = None
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     with pytest.raises(SystemExit, match="dex.speculative.dflash.drafter is not set"):

@@ -198,8 +198,12 @@ if DEX:
             "-m impl.spec.tensor_parallel --model {input.model} --prompts {input.prompts} --n-prompts {params.n} --variant {params.variant} "
             "--out {output} --max-new-tokens {params.new} {params.eos} --warmup-prompts 1 --device {params.device} 2> {log}"
 
+    # the trained heads' summaries (dex models TEV does not train, when dex.speculative.dflash.drafter is set)
+    HEADS = expand(f"{RESULTS}/dex/head/{{model}}.json",
+                   model=[m for m in DEX["models"] if m not in ((CFG.get("tev") or {}).get("models") or [])]) if HEAD else []
+
     DEX_TABLE_NAMES = ["dex_arms", "dex_claims", "dex_fig5", "dex_overhead", "dex_walltime_model", "dex_tuning", "dex_adapters",
-                       "dex_adapter_ead", "dex_distributed", "dex_draft", "dex_fig5_multiprocess"]
+                       "dex_adapter_ead", "dex_distributed", "dex_draft", "dex_fig5_multiprocess", "dex_head"]
     DEX_FIGURE_NAMES = ["dex_fig3", "dex_fig4", "dex_fig5"]
 
     rule dex_tables:
@@ -211,6 +215,7 @@ if DEX:
             distributed=DIST_RUNS,
             drafts=DRAFTS,
             multiprocess=MP_RUNS,
+            heads=HEADS,
         output:
             expand(f"{RESULTS}/tables/dex/{{name}}.{{ext}}", name=DEX_TABLE_NAMES, ext=["csv", "md"]),
         params:
@@ -219,7 +224,7 @@ if DEX:
             f"{LOGS}/dex/tables.log",
         shell:
             "python -m impl dex-tables --cells {input.cells} --adapters {input.adapters} --distributed {input.distributed} "
-            "--drafts {input.drafts} --multiprocess {input.multiprocess} --out-dir {params.out} 2> {log}"
+            "--drafts {input.drafts} --multiprocess {input.multiprocess} --heads {input.heads} --out-dir {params.out} 2> {log}"
 
     rule dex_figures:
         conda:

@@ -242,10 +242,19 @@ def check(out: dict[str, Any]) -> None:
                                   "trained for DEX (models not in tev.models) have only 'base'")
     tp = spec.get("tensor_parallel")
     first = out["models"].get(d["models"][0]) if d["models"] else None
-    if tp is not None and first is not None and first["kind"] == "tiny":
-        a = out["tiny_arch"]
+    if tp is not None and first is not None:
         K = tp.get("ranks", TensorParallelArm().ranks)
-        bad = [f"tiny_arch.{k} = {a[k]}" for k in ("num_heads", "intermediate_size") if a.get(k) and a[k] % K]
+        if first["kind"] == "tiny":
+            a = out["tiny_arch"]
+            bad = [f"tiny_arch.{k} = {a[k]}" for k in ("num_heads", "intermediate_size") if a.get(k) and a[k] % K]
+        else:  # a pretrained model: its config.json once the directory exists (else the rule refuses K in one line)
+            import json
+            from pathlib import Path
+
+            f = Path(first.get("path") or "") / "config.json"
+            c = json.loads(f.read_text()) if first.get("path") and f.is_file() else {}
+            bad = [f"{k} = {c[k]} ({f})" for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+                   if isinstance(c.get(k), int) and c[k] % K]
         if bad:
             raise ConfigError(f"config: 'dex.speculative.tensor_parallel.ranks' = {K} does not divide {', '.join(bad)}")
     for i, w in enumerate(d["workloads"]):

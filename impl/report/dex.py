@@ -408,6 +408,24 @@ def draft_table(summaries: list[dict]) -> pd.DataFrame:
                                       "train_seconds", "top1_before", "top1_after", "kl_before", "kl_after"])
 
 
+def head_table(summaries: list[dict]) -> pd.DataFrame:
+    """Per trained head of Fig. 5 (``tev-train --dex-head``: TEV's base block drafter for a model TEV does
+    not train): block size, rollouts, steps and time, and the held-out greedy chain tau (1 + leading
+    block positions whose argmax is the target's token) and first-position accuracy before and after."""
+    cols = ["model", "block_size", "n_prompts", "rollout_tokens", "rollout_seconds", "steps", "train_seconds", "chain_tau_before",
+            "chain_tau_after", "acc1_before", "acc1_after"]
+    out = []
+    for s in summaries:
+        b = s["summaries"]["base"]
+        out.append({"model": Path(s["model_dir"]).name, "block_size": len(b["heldout_after"]["accuracy"]),
+                    "n_prompts": s["n_prompts"], "rollout_tokens": s["rollout_tokens"],
+                    "rollout_seconds": (s.get("rollout_seconds") or {}).get("rollouts"),
+                    "steps": (b.get("config") or {}).get("steps"), "train_seconds": b["seconds"]["total"],
+                    "chain_tau_before": b["heldout_before"]["chain_tau"], "chain_tau_after": b["heldout_after"]["chain_tau"],
+                    "acc1_before": b["heldout_before"]["accuracy"][0], "acc1_after": b["heldout_after"]["accuracy"][0]})
+    return pd.DataFrame(out, columns=cols)
+
+
 def adapter_ead_table(rows: list[dict]) -> pd.DataFrame:
     """Per adapted model and workload: mean stable EAD (DEX Def. 1) of the base model and of the model
     with its inducing adapters, and their paired per-prompt difference (adapted - base, t-based 95%
@@ -477,7 +495,8 @@ def distributed_table(distributed_rows: list[dict]) -> pd.DataFrame:
 
 def dex_tables(rows: list[dict], adapter_summaries: list[dict],
                distributed_rows: list[dict] | None = None, draft_summaries: list[dict] | None = None,
-               multiprocess_rows: list[dict] | None = None) -> dict[str, pd.DataFrame]:
+               multiprocess_rows: list[dict] | None = None, head_summaries: list[dict] | None = None
+               ) -> dict[str, pd.DataFrame]:
     """All DEX tables from raw cell rows, adapter training summaries, the multi-process DEX runs (whose
     measured communication per round is added to the projected K-device time for the K measured), the
     draft models' training summaries and the multi-process Fig. 5 arms (PEARL on two ranks, tensor
@@ -501,11 +520,12 @@ def dex_tables(rows: list[dict], adapter_summaries: list[dict],
             "dex_walltime_model": walltime_model_table(df, _decode_rows(rows)), "dex_tuning": tuning_table(rows),
             "dex_adapters": adapters_table(adapter_summaries), "dex_adapter_ead": adapter_ead_table(rows),
             "dex_distributed": distributed_table(distributed_rows or []),
-            "dex_draft": draft_table(draft_summaries or []), "dex_fig5_multiprocess": multiprocess_table(mp)}
+            "dex_draft": draft_table(draft_summaries or []), "dex_fig5_multiprocess": multiprocess_table(mp),
+            "dex_head": head_table(head_summaries or [])}
 
 
 __all__ = ["dex_tables", "arms_table", "claims_table", "fig5_table", "FIG5_KINDS", "MP_KINDS", "fig5_multiprocess_rows",
-           "multiprocess_table", "overhead_table", "walltime_model_table", "tuning_table",
+           "multiprocess_table", "head_table", "overhead_table", "walltime_model_table", "tuning_table",
            "adapters_table", "adapter_ead_table", "draft_table", "BASELINES"]
 
 
@@ -664,6 +684,13 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
                   "and LM head, with the kept layers and the norm distilled to the model (full-vocabulary KL on "
                   "ShareGPT). Top-1 agreement with the model on held-out windows (teacher-forced) is the greedy "
                   "acceptance rate of a one-token draft.", "", _md(drafts), ""]
+    heads = read("dex_head") if (td / "dex_head.csv").is_file() else pd.DataFrame()
+    if len(heads):
+        lines += ["### Trained draft heads (Fig. 5's `dflash_chain` arm)", "",
+                  "TEV's DFlash-style block drafter trained for models TEV does not train (`tev-train --dex-head`, "
+                  "base objective only) on the target's own greedy rollouts of ShareGPT prompts; held-out chain tau "
+                  "(1 + leading block positions equal to the target's token) and first-position accuracy.", "",
+                  _md(heads), ""]
     aead = read("dex_adapter_ead") if (td / "dex_adapter_ead.csv").is_file() else pd.DataFrame()
     if len(aead):
         held = int(aead["earlier"].astype(str).str.lower().eq("true").sum())

@@ -37,6 +37,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ from ..provenance import provenance, write_jsonl
 from ..workloads.prompts import read_prompts
 from .ar import ar_decode
 from .hf_generate import greedy_generate
+from .self_spec import _check_decode_args
 
 __all__ = ["tp_split_problem", "main"]
 
@@ -149,8 +151,10 @@ def main(argv: list[str] | None = None) -> None:
                 r.update(variant=args.variant or Path(args.model).name, model_dir=str(args.model), batch_size=1, **prov)
             write_jsonl(args.out, rows)
             bad = [r["prompt_id"] for r in rows if r.get("ar_match") is False]
-            print(f"{args.out}: {len(rows)} rows, {len(bad)} differ from AR" + (f" ({bad})" if bad else ""),
-                  file=sys.stderr, flush=True)
+            errors = sum("error" in r for r in rows)
+            verdict = ("AR not checked (--no-ar-check)" if args.no_ar_check
+                       else f"{len(bad)} differ from AR" + (f" ({bad})" if bad else ""))
+            print(f"{args.out}: {len(rows)} rows ({errors} error rows), {verdict}", file=sys.stderr, flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -158,19 +162,29 @@ def main(argv: list[str] | None = None) -> None:
 @torch.inference_mode()
 def _decode_all(model, plain, prompts: list[dict], args, eos, rank: int, world: int, backend: str) -> list[dict]:
     """Every rank decodes every prompt (warm-up first, unrecorded); rank 0 returns the rows."""
-    V, ctx = model.config.vocab_size, getattr(model.config, "max_position_embeddings", None)
-    usable = [p for p in prompts if p.get("input_ids") and all(isinstance(t, int) and 0 <= t < V for t in p["input_ids"])
-              and (ctx is None or len(p["input_ids"]) + args.max_new_tokens <= ctx)]
-    for p in usable[: args.warmup_prompts]:
-        greedy_generate(model, list(p["input_ids"]), args.max_new_tokens, eos)
+    shape = SimpleNamespace(config=model.config)  # vocabulary and context: the same on every rank
+
+    def checked(p: dict) -> list[int]:
+        return _check_decode_args(shape, list(p.get("input_ids") or []), args.max_new_tokens,
+                                  eos if isinstance(eos, int) else None)
+
+    usable = []
+    for p in prompts:
+        try:
+            usable.append(checked(p))
+        except ValueError:
+            pass
+    for ids in usable[: args.warmup_prompts]:
+        greedy_generate(model, ids, args.max_new_tokens, eos)
     rows = []
     for p in prompts:
         base = {"prompt_id": p.get("id"), "suite": p.get("suite"), "method": "tensor_parallel",
                 "executor": "distributed", "backend": backend, "world_size": world,
                 "max_new_tokens": args.max_new_tokens, "temperature": 0.0}
-        ids = list(p.get("input_ids") or [])
-        if not ids:
-            rows.append({**base, "error": "empty prompt (no input_ids)"})
+        try:  # empty, out of the vocabulary, past the context: an error row on every rank, the rest still run
+            ids = checked(p)
+        except ValueError as e:
+            rows.append({**base, "error": str(e)})
             continue
         dist.barrier()
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from pathlib import Path
 from .registry import Registry
 from .runtime import config_from_args, load_for, run_provenance, set_threads
 from .schema import core_config
-from .argtypes import ArgumentParser, json_object, nonneg_int, positive_int, temperature, usage_error
+from .argtypes import ArgumentParser, json_object, nonneg_float, nonneg_int, positive_int, temperature, usage_error
 from .workloads.prompts import read_prompts
 
 log = logging.getLogger("impl")
@@ -416,6 +416,26 @@ def cmd_dex_tables(args) -> None:
     log.info("DEX tables from %d cells -> %s", len(args.cells), args.out_dir)
 
 
+def cmd_compare_tables(args) -> None:
+    """Compare two runs' tables (:mod:`impl.report.compare`); exit 1 when a compared column differs."""
+    from .report.compare import compare_dirs
+
+    try:
+        diffs = compare_dirs(args.a, args.b, rtol=args.rtol)
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from None
+    bad = [d for d in diffs if d.problems]
+    for d in diffs:
+        state = "DIFFERS" if d.problems else "same"
+        print(f"{state:8s}{d.path}  ({len(d.compared_columns)} columns compared, {len(d.timing_columns)} timing columns "
+              "not compared)")
+        for p in d.problems:
+            print(f"        - {p}")
+    print(f"{len(diffs)} tables: {len(diffs) - len(bad)} the same, {len(bad)} differ")
+    if bad:
+        raise SystemExit(1)
+
+
 def cmd_dex_figures(args) -> None:
     import pandas as pd
 
@@ -631,6 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rows of the multi-process Fig. 5 arms (impl.spec.pearl_distributed, impl.spec.tensor_parallel)")
     sp.add_argument("--heads", nargs="*", default=[], help="trained-head summaries (tev-train --dex-head)")
     sp.add_argument("--out-dir", required=True)
+    sp = add("compare-tables", cmd_compare_tables, "compare two runs' tables (every column but the timings), "
+             "e.g. the smoke run before and after a refactor; exit 1 when one differs")
+    sp.add_argument("a", help="tables directory of run A (e.g. results/smoke/tables of the old commit)")
+    sp.add_argument("b", help="tables directory of run B")
+    sp.add_argument("--rtol", type=nonneg_float, default=1e-9, help="relative tolerance of compared floats")
     sp = add("dex-figures", cmd_dex_figures, "DEX Fig. 3 / Fig. 4 shapes from the DEX tables")
     sp.add_argument("--tables-dir", required=True)
     sp.add_argument("--out-dir", required=True)

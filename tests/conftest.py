@@ -125,3 +125,19 @@ def smoke_config(**overrides) -> dict:
     from impl.config import read_yaml, validate_config
 
     return validate_config(_merge(read_yaml(ROOT / "configs" / "smoke.yaml"), overrides), check_paths=False)
+
+
+def torchrun(module: str, K: int, *args, timeout: int = 180, device: str | None = "cpu"):
+    """``python -m torch.distributed.run --nproc-per-node K -m MODULE [--device DEVICE] ARGS`` on a free
+    local port, one thread per rank, from the repository root; returns the CompletedProcess (text)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(K), "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "-m", module, *(["--device", device] if device else []), *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -3,13 +3,10 @@ must commit exactly AR's tokens and the reference executor's rounds and match in
 sampled; launch errors are clear; the plan codec and the per-stage KV view hold in-process."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import torchrun
 import torch
 import torch.distributed as dist
 
@@ -67,17 +64,8 @@ def prompts_file(model_dir):
     return p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(K: int, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(K), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), "-m", "impl.dex.distributed", *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def _torchrun(K: int, *args, **kw):
+    return torchrun("impl.dex.distributed", K, *args, device=None, **kw)
 
 
 def _reference(model, ids, X, rule, decs):

@@ -4,13 +4,10 @@ gloo must give AR's ids and the single-process executor's rounds on every prompt
 with and without EOS (tiers 2-3); bad launches are refused in one line before any process group."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import torchrun
 import torch
 
 from impl.spec.pearl import continuation_length, post_verify
@@ -67,14 +64,8 @@ def models(tmp_path_factory):
     return d / "target", d / "draft", p
 
 
-def _torchrun(K: int, *args, timeout: int = 180) -> subprocess.CompletedProcess:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(K), "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "-m", "impl.spec.pearl_distributed", "--device", "cpu", *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def _torchrun(K: int, *args, **kw):
+    return torchrun("impl.spec.pearl_distributed", K, *args, **kw)
 
 
 @pytest.mark.slow

@@ -3,13 +3,10 @@ CPU must give AR's ids on every prompt; a split the model's heads do not allow i
 before any process group starts."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import torchrun
 import torch
 
 from impl.spec.tensor_parallel import tp_split_problem
@@ -46,14 +43,8 @@ def tp_model(tmp_path_factory):
     return d, p
 
 
-def _torchrun(K: int, *args, timeout: int = 180) -> subprocess.CompletedProcess:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(K), "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "-m", "impl.spec.tensor_parallel", "--device", "cpu", *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def _torchrun(K: int, *args, **kw):
+    return torchrun("impl.spec.tensor_parallel", K, *args, **kw)
 
 
 @pytest.mark.slow

@@ -42,26 +42,24 @@ Backend: gloo on CPU, NCCL on CUDA (chosen from the device).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
-from ..argtypes import ArgumentParser, nonneg_int, positive_float, positive_int, temperature
+from ..argtypes import ArgumentParser, nonneg_int, temperature
 from ..ead.accounting import uniform_exploration_set, validate_exploration_set
 from ..models.depth import embed, num_layers, run_layers
 from ..models.load import load_model, load_tokenizer
 from ..provenance import provenance, write_jsonl
 from ..spec.ar import ar_decode
 from ..spec.sampling import DecodeRule
+from ..torchrun import Ranks, add_run_args, fail, init_process_group, select_device
 from ..workloads.prompts import read_prompts
 from .decoder import DEXDecoder
 from .reference import ReferenceExecutor, StageBatch, StageResult
@@ -709,42 +707,6 @@ def exploration_set_for_world(text: str | None, world_size: int, L: int) -> tupl
     return validate_exploration_set(xs, L)
 
 
-def pick_device(spec: str = "auto", local_rank: int = 0) -> torch.device:
-    """``cuda:<local_rank>`` for ``auto`` when CUDA is available (or for ``cuda``), else CPU.
-
-    One GPU per explorer (DEX App. E): NCCL cannot run two ranks on one GPU.
-
-    Raises:
-        ValueError: ``cuda`` requested without CUDA, a local rank without its own GPU, or an unknown
-            spec.
-    """
-    if spec not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, got {spec!r}")
-    if spec == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but CUDA is not available")
-    if spec == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    n = torch.cuda.device_count()
-    if local_rank >= n:
-        raise ValueError(f"local rank {local_rank} has no GPU of its own ({n} visible): DEX runs one GPU per "
-                         "explorer; start at most that many ranks per node, or use --device cpu (gloo)")
-    return torch.device("cuda", local_rank)
-
-
-def init_distributed(device: torch.device, timeout_s: float = 600.0) -> str:
-    """Initialise the default process group from torchrun's environment: NCCL for a CUDA device,
-    gloo for CPU. Returns the backend name. No-op (returning the backend) when already initialised."""
-    if dist.is_initialized():
-        return dist.get_backend()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        kwargs["device_id"] = device
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    return backend
-
-
 def _prompt_ids(p: dict, tokenizer_loader) -> list[int] | None:
     """Same rule as :func:`impl.methods.decode_prompts`: ``input_ids``, else ``text`` tokenized with
     the model's tokenizer (BOS prepended when it has one)."""
@@ -757,15 +719,13 @@ def _prompt_ids(p: dict, tokenizer_loader) -> list[int] | None:
     return list(ids) if ids else None
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> ArgumentParser:
     ap = ArgumentParser(
         prog="torchrun --nproc-per-node K -m impl.dex.distributed",
         description="DEX with one torch.distributed rank per explorer; rank 0 writes one JSONL row per prompt, "
                     "checked against AR.")
     ap.add_argument("--model", required=True, help="Hugging Face model directory (tokenizer inside for text rows)")
-    ap.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids or text")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--max-new-tokens", type=positive_int, default=64)
+    add_run_args(ap, prompts_help="JSONL rows with id and input_ids or text")
     ap.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=nonneg_int, default=0, help="seed of the per-position Gumbel noise")
     ap.add_argument("--exploration-set", help="comma-separated depths ending at L, one per rank (default: "
@@ -773,19 +733,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--decs", action="store_true", help="depth-coupled sampling (Algorithm 2)")
     ap.add_argument("--single-exit", action="store_true", help="ablation: branch only from d_0 and L")
     ap.add_argument("--dedupe", action="store_true", help="reuse children of repeated candidates")
-    ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--no-ar-check", action="store_true",
                     help="skip the AR check (then rank 0 also holds only its own layers)")
-    ap.add_argument("--warmup-prompts", type=nonneg_int, default=1, help="decode the first N usable prompts once before the recorded pass (warm-up, unrecorded; every prompt, these included, is then decoded and recorded)")
-    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--timeout-s", type=positive_float, default=600.0, help="process-group timeout")
     return ap
-
-
-def _fail(rank: int, msg: str) -> None:
-    print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -795,27 +745,26 @@ def main(argv: list[str] | None = None) -> None:
     a one-line error (a missing file, a bad exploration set, |X| different from the world size).
     """
     args = _parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    ranks = Ranks.from_env()
+    rank, world = ranks.rank, ranks.world
     cfg_path = Path(args.model) / "config.json"
     if not cfg_path.is_file():
-        _fail(rank, f"model directory not found or incomplete (no config.json): {args.model}")
+        fail(rank, f"model directory not found or incomplete (no config.json): {args.model}")
     if not Path(args.prompts).is_file():
-        _fail(rank, f"no such prompt file: {args.prompts}")
+        fail(rank, f"no such prompt file: {args.prompts}")
     if args.max_new_tokens < 1:
-        _fail(rank, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        fail(rank, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
-        _fail(rank, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+        fail(rank, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     L = int(json.loads(cfg_path.read_text()).get("num_hidden_layers", 0))
     try:
         X = exploration_set_for_world(args.exploration_set, world, L)
-        device = pick_device(args.device, local_rank)
+        device = select_device(args.device, ranks)
     except ValueError as e:
-        _fail(rank, str(e))
+        fail(rank, str(e))
 
     torch.set_num_threads(args.threads)
-    backend = init_distributed(device, args.timeout_s)
+    backend = init_process_group(device, args.timeout_s)
     try:
         model = load_model(args.model)
         lo, hi = (0 if rank == 0 else X[rank - 1]), X[rank]
@@ -828,7 +777,8 @@ def main(argv: list[str] | None = None) -> None:
             ex.serve()
             return
         with ex:
-            rows = _decode_all(ex, args, read_prompts(args.prompts), rule, X, backend,
+            prompts = read_prompts(args.prompts)
+            rows = _decode_all(ex, args, prompts[: args.n_prompts] if args.n_prompts else prompts, rule, X, backend,
                                lambda: load_tokenizer(args.model))
         prov = provenance({"method": "dex", "executor": "distributed", "exploration_set": list(X),
                            "decs": args.decs, "single_exit": args.single_exit, "dedupe": args.dedupe,

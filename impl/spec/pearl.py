@@ -156,30 +156,21 @@ def check_pearl(target, draft, gamma) -> int:
     return _check_int("pearl gamma", gamma, 1)
 
 
-class _Pearl:
-    """The committed ids and both models; invariant between rounds: both caches hold every committed
-    position but the last (the root), except that in post-verify mode the draft also holds the block
-    up to its last token and the block is pending."""
+class _Committed:
+    """The committed ids of one decode and their budget, which both PEARL executors keep the same way:
+    ``ids`` (prompt + committed), ``tokens`` (committed only), ``stopped`` (an EOS was committed)."""
 
-    def __init__(self, target, draft, ids: list[int], max_new: int, gamma: int, rule: DecodeRule, eos):
-        self.t, self.d = _Model(target), _Model(draft)
-        self.ids, self.max_new, self.gamma, self.rule, self.eos = list(ids), max_new, gamma, rule, eos
+    def __init__(self, ids: list[int], max_new: int, eos):
+        self.ids, self.max_new, self.eos = list(ids), max_new, eos
         self.tokens: list[int] = []
         self.stopped = False
-        self.rounds: list[PearlRound] = []
-        self.block: list[int] | None = None  # post-verify: the block to verify, its first token verified
 
     @property
     def done(self) -> bool:
         return self.stopped or len(self.tokens) >= self.max_new
 
-    def prefill(self) -> None:
-        if len(self.ids) > 1:
-            self.t.forward(self.ids[:-1])
-            self.d.forward(self.ids[:-1])
-        self.t.passes = self.d.passes = self.t.layer_work = self.d.layer_work = 0
-
     def _commit(self, new: list[int]) -> int:
+        """Append ``new`` cut to the budget and after the first EOS; returns how many were committed."""
         new = new[: self.max_new - len(self.tokens)]
         if self.eos is not None and self.eos in new:
             new = new[: new.index(self.eos) + 1]
@@ -187,6 +178,25 @@ class _Pearl:
         self.ids += new
         self.tokens += new
         return len(new)
+
+
+class _Pearl(_Committed):
+    """The committed ids and both models; invariant between rounds: both caches hold every committed
+    position but the last (the root), except that in post-verify mode the draft also holds the block
+    up to its last token and the block is pending."""
+
+    def __init__(self, target, draft, ids: list[int], max_new: int, gamma: int, rule: DecodeRule, eos):
+        super().__init__(ids, max_new, eos)
+        self.t, self.d = _Model(target), _Model(draft)
+        self.gamma, self.rule = gamma, rule
+        self.rounds: list[PearlRound] = []
+        self.block: list[int] | None = None  # post-verify: the block to verify, its first token verified
+
+    def prefill(self) -> None:
+        if len(self.ids) > 1:
+            self.t.forward(self.ids[:-1])
+            self.d.forward(self.ids[:-1])
+        self.t.passes = self.d.passes = self.t.layer_work = self.d.layer_work = 0
 
     def _draft(self, first: int, k: int) -> tuple[list[int], list[float]]:
         """``k`` draft tokens after ``first`` (fed at the draft's next position), and each step's seconds."""

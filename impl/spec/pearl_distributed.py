@@ -41,11 +41,9 @@ arXiv:2408.11850), Sec. 3.1-3.3 and Algorithm 1 (the draft and target models on 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,12 +51,13 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from ..argtypes import ArgumentParser, nonneg_int, positive_float, positive_int, temperature
+from ..argtypes import ArgumentParser, positive_int, temperature
 from ..models.load import load_model
 from ..provenance import provenance, write_jsonl
+from ..torchrun import Ranks, add_run_args, fail, init_process_group, select_device, usable_prompts
 from ..workloads.prompts import read_prompts
 from .ar import ar_decode
-from .pearl import _Model, check_pearl, continuation_length, pearl_decode, post_verify
+from .pearl import _Committed, _Model, check_pearl, continuation_length, pearl_decode, post_verify
 from .sampling import DecodeRule
 from .self_spec import _check_decode_args
 
@@ -107,35 +106,21 @@ class _Exchange:
         return [o[2: 2 + int(o[1])].tolist() for o in out], [int(o[0]) / 1e6 for o in out]
 
 
-class _RankPearl:
+class _RankPearl(_Committed):
     """This rank's model and cache (rank 0: the target; rank 1: the draft) and the committed ids, which
     both ranks keep identical; the cache invariant is :class:`impl.spec.pearl._Pearl`'s."""
 
     def __init__(self, model, role: int, ids: list[int], max_new: int, gamma: int, rule: DecodeRule, eos,
                  exchange: _Exchange):
+        super().__init__(ids, max_new, eos)
         self.m, self.role, self.x = _Model(model), role, exchange
-        self.ids, self.max_new, self.gamma, self.rule, self.eos = list(ids), max_new, gamma, rule, eos
-        self.tokens: list[int] = []
-        self.stopped = False
+        self.gamma, self.rule = gamma, rule
         self.block: list[int] | None = None
         self.rounds: list[RankRound] = []
-
-    @property
-    def done(self) -> bool:
-        return self.stopped or len(self.tokens) >= self.max_new
 
     def prefill(self) -> None:
         if len(self.ids) > 1:
             self.m.forward(self.ids[:-1])
-
-    def _commit(self, new: list[int]) -> int:
-        new = new[: self.max_new - len(self.tokens)]
-        if self.eos is not None and self.eos in new:
-            new = new[: new.index(self.eos) + 1]
-            self.stopped = True
-        self.ids += new
-        self.tokens += new
-        return len(new)
 
     def _draft(self, first: int, k: int, stop_at_eos: bool = False) -> tuple[list[int], float]:
         out, secs, tok = [], 0.0, first
@@ -241,28 +226,13 @@ def _parser() -> ArgumentParser:
                                     "one JSONL row per prompt, checked against AR and the single-process executor.")
     ap.add_argument("--model", required=True, help="the target's Hugging Face model directory")
     ap.add_argument("--draft", required=True, help="the draft model's directory (rule train_draft's output)")
-    ap.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--max-new-tokens", type=positive_int, default=64)
+    add_run_args(ap)
     ap.add_argument("--gamma", type=positive_int, default=4, help="the draft window")
-    ap.add_argument("--n-prompts", type=positive_int, default=None, help="decode only the first N prompts")
     ap.add_argument("--variant", default=None, help="the model's name in the rows (default: the model directory's name)")
     ap.add_argument("--temperature", type=temperature, default=0.0)
     ap.add_argument("--seed", type=int, default=0, help="Gumbel noise seed (sampling only)")
-    ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--no-check", action="store_true", help="skip the AR and single-process checks on rank 0")
-    ap.add_argument("--warmup-prompts", type=nonneg_int, default=1,
-                    help="decode the first N prompts once, unrecorded, before the recorded pass")
-    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
-    ap.add_argument("--timeout-s", type=positive_float, default=600.0, help="process-group timeout")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                    help="cpu: gloo; auto: one GPU per rank when there are two (NCCL)")
     return ap
-
-
-def _fail(rank: int, msg: str) -> None:
-    print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 def _vocab(d: Path) -> int | None:
@@ -276,33 +246,27 @@ def main(argv: list[str] | None = None) -> None:
     one-line error (a missing file, a world size other than 2, a draft over another vocabulary).
     """
     args = _parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world != 2:
-        _fail(rank, f"PEARL runs on exactly 2 ranks (target, draft), got {world} (torchrun --nproc-per-node 2)")
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    cuda = args.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    if args.device == "cuda" and not cuda:
-        _fail(rank, "--device cuda needs 2 visible GPUs (one per rank)")
+    ranks = Ranks.from_env()
+    rank = ranks.rank
+    if ranks.world != 2:
+        fail(rank, f"PEARL runs on exactly 2 ranks (target, draft), got {ranks.world} (torchrun --nproc-per-node 2)")
+    try:
+        device = select_device(args.device, ranks)
+    except ValueError as e:
+        fail(rank, str(e))
     for flag, d in (("--model", args.model), ("--draft", args.draft)):
         if not (Path(d) / "config.json").is_file():
-            _fail(rank, f"{flag}: model directory not found or incomplete (no config.json): {d}")
+            fail(rank, f"{flag}: model directory not found or incomplete (no config.json): {d}")
     if _vocab(Path(args.model)) != _vocab(Path(args.draft)):
-        _fail(rank, f"--draft: its vocabulary ({_vocab(Path(args.draft))} ids) is not the target's "
-                    f"({_vocab(Path(args.model))})")
+        fail(rank, f"--draft: its vocabulary ({_vocab(Path(args.draft))} ids) is not the target's "
+                   f"({_vocab(Path(args.model))})")
     try:
         prompts = read_prompts(args.prompts)
     except (FileNotFoundError, ValueError) as e:
-        _fail(rank, str(e))
+        fail(rank, str(e))
     prompts = prompts[: args.n_prompts] if args.n_prompts else prompts
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    backend = "nccl" if cuda else "gloo"
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    backend = init_process_group(device, args.timeout_s)
     try:
         model = load_model(args.model if rank == TARGET_RANK else args.draft).to(device)
         check = rank == TARGET_RANK and not args.no_check
@@ -340,13 +304,7 @@ def _decode_all(model, draft, prompts: list[dict], args, rank: int, device, back
     def checked(p: dict) -> list[int]:
         return _check_decode_args(shape, list(p.get("input_ids") or []), args.max_new_tokens, eos)
 
-    usable = []
-    for p in prompts:
-        try:
-            usable.append(checked(p))
-        except ValueError:
-            pass
-    for ids in usable[: args.warmup_prompts]:
+    for ids in usable_prompts(prompts, checked)[: args.warmup_prompts]:
         rank_pearl_decode(model, ids, args.max_new_tokens, **kw)
     rows = []
     for p in prompts:

@@ -32,10 +32,8 @@ baseline of Fig. 5).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,9 +42,10 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-from ..argtypes import ArgumentParser, nonneg_int, positive_float, positive_int
+from ..argtypes import ArgumentParser
 from ..models.load import load_model
 from ..provenance import provenance, write_jsonl
+from ..torchrun import Ranks, add_run_args, fail, init_process_group, select_device, usable_prompts
 from ..workloads.prompts import read_prompts
 from .ar import ar_decode
 from .hf_generate import greedy_generate
@@ -78,25 +77,10 @@ def _parser() -> ArgumentParser:
                         description="greedy decoding with transformers' tensor-parallel plan over K ranks; rank 0 "
                                     "writes one JSONL row per prompt, checked against AR.")
     ap.add_argument("--model", required=True, help="Hugging Face model directory")
-    ap.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--max-new-tokens", type=positive_int, default=64)
-    ap.add_argument("--n-prompts", type=positive_int, default=None, help="decode only the first N prompts")
+    add_run_args(ap)
     ap.add_argument("--variant", default=None, help="the model's name in the rows (default: the model directory's name)")
-    ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--no-ar-check", action="store_true", help="skip the AR check on rank 0")
-    ap.add_argument("--warmup-prompts", type=nonneg_int, default=1,
-                    help="decode the first N prompts once, unrecorded, before the recorded pass")
-    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
-    ap.add_argument("--timeout-s", type=positive_float, default=600.0, help="process-group timeout")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                    help="cpu hides the GPUs (gloo); auto: one GPU per rank when there are enough (NCCL)")
     return ap
-
-
-def _fail(rank: int, msg: str) -> None:
-    print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,38 +90,27 @@ def main(argv: list[str] | None = None) -> None:
     status 2 and a one-line error (a missing file, a K that does not divide the heads).
     """
     args = _parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "cpu":  # before anything asks CUDA: transformers picks the mesh device from the accelerator
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    # auto: CUDA only with a GPU per rank on this node, else gloo on CPU
-    n_gpu = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 0
-    cuda = args.device == "cuda" or (args.device == "auto" and n_gpu >= int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if args.device == "cuda" and not n_gpu:
-        _fail(rank, "--device cuda but CUDA is not available")
-    if args.device == "auto" and not cuda:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    if cuda and local_rank >= torch.cuda.device_count():
-        _fail(rank, f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
-                    "start at most that many ranks per node, or pass --device cpu (gloo)")
+    ranks = Ranks.from_env()
+    rank, world = ranks.rank, ranks.world
+    try:  # before anything else asks CUDA: transformers picks the mesh device from the accelerator
+        device = select_device(args.device, ranks)
+    except ValueError as e:
+        fail(rank, str(e))
     cfg_path = Path(args.model) / "config.json"
     if not cfg_path.is_file():
-        _fail(rank, f"model directory not found or incomplete (no config.json): {args.model}")
+        fail(rank, f"model directory not found or incomplete (no config.json): {args.model}")
     if not Path(args.prompts).is_file():
-        _fail(rank, f"no such prompt file: {args.prompts}")
+        fail(rank, f"no such prompt file: {args.prompts}")
     why = tp_split_problem(json.loads(cfg_path.read_text()), world)
     if why:
-        _fail(rank, why + " (torchrun --nproc-per-node K)")
+        fail(rank, why + " (torchrun --nproc-per-node K)")
     try:
         prompts = read_prompts(args.prompts)
     except ValueError as e:
-        _fail(rank, str(e))
+        fail(rank, str(e))
     prompts = prompts[: args.n_prompts] if args.n_prompts else prompts
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda", local_rank) if cuda else None
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    backend = init_process_group(device, args.timeout_s)
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=DistributedConfig(tp_size=world),
                                                      dtype=torch.float32, local_files_only=True).eval()
@@ -146,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = _decode_all(model, plain, prompts, args, eos, rank, world, backend)
         if rank == 0:
             prov = provenance({"method": "tensor_parallel", "world_size": world, "max_new_tokens": args.max_new_tokens},
-                              device=str(device or "cpu"), dtype="float32")
+                              device=str(device), dtype="float32")
             for r in rows:
                 r.update(variant=args.variant or Path(args.model).name, model_dir=str(args.model), batch_size=1, **prov)
             write_jsonl(args.out, rows)
@@ -168,13 +141,7 @@ def _decode_all(model, plain, prompts: list[dict], args, eos, rank: int, world: 
         return _check_decode_args(shape, list(p.get("input_ids") or []), args.max_new_tokens,
                                   eos if isinstance(eos, int) else None)
 
-    usable = []
-    for p in prompts:
-        try:
-            usable.append(checked(p))
-        except ValueError:
-            pass
-    for ids in usable[: args.warmup_prompts]:
+    for ids in usable_prompts(prompts, checked)[: args.warmup_prompts]:
         greedy_generate(model, ids, args.max_new_tokens, eos)
     rows = []
     for p in prompts:

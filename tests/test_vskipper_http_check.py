@@ -64,8 +64,11 @@ def test_every_arm_passes_every_check(model_dir, prompts_file, data_dir):
     for r in rows:
         assert set(r) == set(COLUMNS) and r["model"] == "tiny"
         assert r["skipper"] == ("" if r["arm"] == "upstream" else SPEC)
-        if r["check"] in ("client_stream", "greedy_ids"):
-            assert r["requests"] == 2 and r["max_tokens"] == NEW and r["tokens_exact"] is True
+        if r["check"] in ("client_stream", "greedy_ids", "openai_sdk"):
+            assert r["max_tokens"] == NEW and r["tokens_exact"] is True
+            assert r["requests"] == (2 if r["check"] != "openai_sdk" else 3 * 2 + 3)
+        if r["check"] == "openai_sdk":  # the SDK's streams end with a usage-only chunk; text equals in-process
+            assert r["text_match"] is True and "2/2 streams (include_usage) equal" in r["detail"]
         if r["check"] == "lm_eval":
             assert r["served_requests"] == 2 and r["metric"] == "exact_match,composite"
             assert 0.0 <= r["metric_value"] <= 1.0
@@ -84,10 +87,11 @@ def test_wrong_reference_fails(model_dir, prompts_file):
     def dense_for_everyone(model_dir, arm, spec, prompts, rids, max_tokens, **kw):
         return in_process_reference(model_dir, "upstream", None, prompts, rids, max_tokens, **kw)
 
-    rows = _run(model_dir, prompts_file, arms=["always-route"], checks=["client_stream", "greedy_ids"],
+    rows = _run(model_dir, prompts_file, arms=["always-route"], checks=["openai_sdk", "client_stream", "greedy_ids"],
                 reference=dense_for_everyone)
-    assert [r["check"] for r in rows] == ["client_stream", "greedy_ids"]
+    assert [r["check"] for r in rows] == ["client_stream", "greedy_ids", "openai_sdk"]  # CHECKS' order
     assert all(r["verdict"] == "FAIL" for r in rows), rows
+    assert rows[2]["text_match"] is False and "texts equal in-process" in rows[2]["detail"]
     ids = rows[1]
     assert ids["ids_match"] is False and ids["tokens_exact"] is True  # right length, wrong ids
     assert "differ from in-process" in ids["detail"]

@@ -272,10 +272,10 @@ def register(add) -> None:
     sp.add_argument("--out-dir", required=True, help="tables directory")
     sp = add("vskipper-http-check", cmd_vskipper_http_check,
              "engine arms (upstream, hybrid, always-route) in process and behind HTTP: OpenAI-style client with "
-             "ignore_eos, lm-eval local-completions, endpoints; PASS/FAIL rows")
+             "ignore_eos, the OpenAI SDK, lm-eval local-completions, endpoints; PASS/FAIL rows")
     sp.add_argument("--model-dir", required=True, help="HF model directory (with tokenizer)")
     sp.add_argument("--prompts", help="workload suite JSONL with input_ids (rule workload_tokens; needed by the "
-                                      "client_stream, greedy_ids and endpoints checks)")
+                                      "client_stream, greedy_ids, openai_sdk and endpoints checks)")
     sp.add_argument("--flexidepth", help="FlexiDepth checkpoint directory: the routed arms' skipper "
                                          "(default: RandomSkip r=--r, d=--d)")
     sp.add_argument("--skipper", action="append", help="skipper spec(s) of the routed arms, overriding --flexidepth "
@@ -287,7 +287,7 @@ def register(add) -> None:
     sp.add_argument("--arms", nargs="+",
                     help="arms (default: upstream hybrid always-route; also prefill-only decode-only no-promotion never-route)")
     sp.add_argument("--checks", nargs="+",
-                    help="checks (default: client_stream greedy_ids lm_eval endpoints, plus bench_serving when "
+                    help="checks (default: client_stream greedy_ids openai_sdk lm_eval endpoints, plus bench_serving when "
                          "--sglang-python is given; bench_serving alone takes its Python from "
                          "vskipper.http.bench_serving.python)")
     sp.add_argument("--sglang-python", help="a Python with SGLang installed (.venv-sglang/bin/python from "

@@ -3,7 +3,7 @@
 The paper serves each arm (``upstream``, ``hybrid``, ``always-route``; Sec. 4.1 "Arms") behind an
 HTTP server and drives it with an OpenAI-style load generator (``ignore_eos`` requests) and with
 lm-eval's ``local-completions`` client. :func:`check_arms` starts each arm of one model directory
-in-process on ``127.0.0.1:0`` (:func:`impl.vskipper.server.serve`) and runs four checks against it,
+in-process on ``127.0.0.1:0`` (:func:`impl.vskipper.server.serve`) and runs five checks against it,
 one result row per (model, arm, skipper, check):
 
 ``client_stream``
@@ -20,6 +20,14 @@ one result row per (model, arm, skipper, check):
     id, the same arm run in process (:func:`in_process_reference`: :func:`~impl.vskipper.engine.generate_greedy`
     on a separately loaded copy of the model with the same skipper, mode, mode switch, request ids
     and engine settings).
+``openai_sdk``
+    the OpenAI Python SDK (``openai.OpenAI`` pointed at the arm's ``/v1``): ``models.list()`` names the
+    served model; each prompt as a non-streaming token-id completion (``ignore_eos`` and ``request_id``
+    through ``extra_body``) whose text must equal the in-process reference's and whose usage counts
+    exactly ``max_tokens``; then the same request again streamed with ``stream_options.include_usage``:
+    the same text, ``usage`` only on the last chunk (which has no choices); a chat completion (with
+    the model's chat template; a model without one must get a 400, which the SDK raises as
+    ``BadRequestError``); ``max_tokens: 0`` raised as ``BadRequestError``, the arm serving afterwards.
 ``lm_eval``
     ``lm_eval.simple_evaluate(model="local-completions", ...)`` against the arm's
     ``/v1/completions`` (the model directory's Hugging Face tokenizer, token-id requests left-truncated
@@ -69,6 +77,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import lm_eval
+import openai
 import torch
 from lm_eval.tasks import TaskManager
 from transformers import AutoConfig
@@ -105,9 +114,12 @@ __all__ = [
 #: the paper's three serving arms (Sec. 4.1), the default; any arm of :data:`SERVED_ARMS` may be checked
 ARMS = ("upstream", "hybrid", "always-route")
 #: the checks, in the order they run per arm; ``bench_serving`` needs a Python with SGLang
-CHECKS = ("client_stream", "greedy_ids", "lm_eval", "endpoints", "bench_serving")
+CHECKS = ("client_stream", "greedy_ids", "openai_sdk", "lm_eval", "endpoints", "bench_serving")
 #: the checks run when none are named
-DEFAULT_CHECKS = CHECKS[:4]
+DEFAULT_CHECKS = CHECKS[:5]
+#: the checks whose answers are compared with the in-process reference (they run first, in this order,
+#: and the reference replays their requests: the hybrid switch's state carries over between requests)
+REFERENCE_CHECKS = ("client_stream", "greedy_ids", "openai_sdk")
 #: CSV columns, in order (the timing columns: SGLang ``bench_serving``'s TTFT / TPOT / ITL [ms], output
 #: throughput [tokens/s], benchmark duration [s]; empty for the other checks)
 COLUMNS = ("model", "arm", "skipper", "check", "verdict", "detail", "requests", "max_tokens", "tokens_exact",
@@ -398,6 +410,70 @@ def _check_ids(server, prompts, rids, refs, max_tokens) -> dict:
                 ids_match=same == n)
 
 
+def _check_openai_sdk(server, tokenizer, prompts, rids, refs, max_tokens) -> dict:
+    """``openai_sdk``: the OpenAI Python SDK against the arm (module docstring)."""
+    eng = server.engine
+    name = eng.served_model_name
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=_TIMEOUT_S)
+    problems, exact, text_ok, stream_ok = [], 0, 0, 0
+    listed = [m.id for m in client.models.list().data]
+    if listed != [name]:
+        problems.append(f"models.list() gave {listed}")
+    for rid, p, ref in zip(rids, prompts, refs):
+        want = tokenizer.decode(ref, skip_special_tokens=True)
+        kw = dict(model=name, prompt=[int(t) for t in p], max_tokens=int(max_tokens), temperature=0,
+                  extra_body={"ignore_eos": True, "request_id": rid})
+        out = client.completions.create(**kw)
+        ch = out.choices[0]
+        n_ok = out.usage.completion_tokens == int(max_tokens) and ch.finish_reason == "length"
+        exact += int(n_ok)
+        if not n_ok:
+            problems.append(f"{rid}: {out.usage.completion_tokens} tokens, finish {ch.finish_reason!r}")
+        if ch.text == want:
+            text_ok += 1
+        else:
+            problems.append(f"{rid}: text differs from the in-process ids' text")
+        # the same request (same id: RandomSkip draws the same routes) streamed, usage on the last chunk only
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        usage = [c.usage for c in chunks if c.usage is not None]
+        last = chunks[-1] if chunks else None
+        s_ok = (text == want and len(usage) == 1 and last is not None and not last.choices
+                and last.usage.completion_tokens == int(max_tokens))
+        stream_ok += int(s_ok)
+        if not s_ok:
+            problems.append(f"{rid}: stream gave {'the same' if text == want else 'another'} text, "
+                            f"{len(usage)} usage chunks, last chunk choices {len(last.choices) if last else None}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    try:
+        chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                              max_tokens=8, temperature=0)
+        chat_ok = (has_template and isinstance(chat.choices[0].message.content, str)
+                   and 1 <= chat.usage.completion_tokens <= 8)
+        chat_what = f"chat completion {chat.usage.completion_tokens} tokens"
+    except openai.BadRequestError as e:
+        chat_ok, chat_what = not has_template, f"chat refused ({e.status_code}: no chat template)"
+    if not chat_ok:
+        problems.append(f"{chat_what} (chat template: {has_template})")
+    try:
+        client.completions.create(model=name, prompt=[int(t) for t in prompts[0]], max_tokens=0)
+        problems.append("max_tokens 0 was accepted")
+    except openai.BadRequestError:
+        pass
+    after = client.completions.create(model=name, prompt=[int(t) for t in prompts[0]], max_tokens=2,
+                                      extra_body={"ignore_eos": True})
+    if after.usage.completion_tokens != 2:
+        problems.append(f"after the refused request: {after.usage.completion_tokens} tokens")
+    n = len(rids)
+    ok = not problems and exact == n == text_ok == stream_ok
+    detail = (f"openai {openai.__version__}: {n} token-id completions, {exact}/{n} exactly {max_tokens} tokens, "
+              f"{text_ok}/{n} texts equal in-process, {stream_ok}/{n} streams (include_usage) equal with one usage "
+              f"chunk; {chat_what}; max_tokens 0 -> BadRequestError"
+              + ("" if ok else "; " + "; ".join(problems[:4])))
+    return dict(ok=ok, detail=detail, requests=3 * n + 3, max_tokens=int(max_tokens), tokens_exact=exact == n,
+                text_match=text_ok == n == stream_ok)
+
+
 def _check_lm_eval(server, model_dir: Path, tm, limit: int, seed: int) -> dict:
     """``lm_eval``: ``simple_evaluate(model="local-completions")`` against the arm (module docstring)."""
 
@@ -563,7 +639,7 @@ def check_arms(
         raise FileNotFoundError(f"no model directory at {model_dir} (config.json missing)")
     arms, checks, specs = _checked_arms(arms, checks, skipper_spec)
     _check_requirements(checks, data_dir, bench)
-    need_prompts = [c for c in checks if c in ("client_stream", "greedy_ids", "endpoints")]
+    need_prompts = [c for c in checks if c in (*REFERENCE_CHECKS, "endpoints")]
     if prompts is None and need_prompts:
         raise ValueError(f"the {', '.join(need_prompts)} check(s) need prompts: token-id lists or a workload suite "
                          "JSONL file")
@@ -606,10 +682,10 @@ def _checked_arms(arms: Sequence[str], checks: Sequence[str], skipper_spec: Any)
     bad = [a for a in arms if a not in SERVED_ARMS]
     if bad:
         raise ValueError(f"unknown arm(s) {bad}; choose from {', '.join(SERVED_ARMS)}")
-    checks = list(checks)
     bad = [c for c in checks if c not in CHECKS]
     if bad:
         raise ValueError(f"unknown check(s) {bad}; choose from {', '.join(CHECKS)}")
+    checks = sorted(set(checks), key=CHECKS.index)  # CHECKS' order: the reference replays the first ones
     specs = [] if skipper_spec is None else ([skipper_spec] if isinstance(skipper_spec, (str, Mapping)) or
                                              not isinstance(skipper_spec, Sequence) else list(skipper_spec))
     if any(a != "upstream" for a in arms) and not specs:
@@ -690,6 +766,8 @@ def _run_check(c: _CheckContext, server, check: str, rids: Mapping[str, list[str
         return _check_client(server, c.tokenizer, c.prompts, rids[check], refs[check], c.max_tokens)
     if check == "greedy_ids":
         return _check_ids(server, c.prompts, rids[check], refs[check], c.max_tokens)
+    if check == "openai_sdk":
+        return _check_openai_sdk(server, c.tokenizer, c.prompts, rids[check], refs[check], c.max_tokens)
     if check == "lm_eval":
         return _check_lm_eval(server, c.model_dir, c.task_manager, c.limit, c.seed)
     if check == "bench_serving":
@@ -706,7 +784,7 @@ def _check_one_arm(c: _CheckContext, arm: str, spec: Any, checks: Sequence[str])
     # the client checks' request ids, in the order the server will see them (the reference replays
     # that order: the hybrid switch's state carries over between requests)
     rids = {k: [f"{c.label}-{arm}-{i}-{k[0]}" for i in range(len(c.prompts))]
-            for k in checks if k in ("client_stream", "greedy_ids")}
+            for k in checks if k in REFERENCE_CHECKS}
     refs, ref_err = _arm_references(c, arm, spec, rids, tag)
     try:
         server = serve(c.model_dir, arm, spec, port=0, block=False, served_model_name=c.label,

@@ -16,6 +16,7 @@ import pandas as pd
 __all__ = ["load_rows", "verdict_table", "bench_serving_table", "report_section"]
 
 _CHECK_TITLES = {"client_stream": "OpenAI client (ignore_eos, stream)", "greedy_ids": "greedy ids = in-process",
+                 "openai_sdk": "OpenAI SDK (completions, stream + usage, chat)",
                  "lm_eval": "lm-eval local-completions", "endpoints": "health / models / 4xx",
                  "bench_serving": "SGLang bench_serving"}
 #: ``bench_serving`` timing columns of the rows -> table titles

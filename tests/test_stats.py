@@ -224,3 +224,18 @@ def test_cross_check_statsmodels():
     tstat, pval, _ = wst.DescrStatsW(d).ttest_mean(0.0)
     assert r.t_stat == pytest.approx(tstat)
     assert r.p_value == pytest.approx(pval)
+
+
+def test_welch_difference_agrees_only_within_sampling_error():
+    from impl.stats import welch_difference
+
+    w = welch_difference([1.0, 2.0, 3.0, 4.0], [1.5, 2.5, 3.5, 4.5])
+    assert w.diff == pytest.approx(0.5) and w.ci_low < 0 < w.ci_high and w.agree and (w.n_a, w.n_b) == (4, 4)
+    from scipy import stats as sst
+    ci = sst.ttest_ind([1.5, 2.5, 3.5, 4.5], [1.0, 2.0, 3.0, 4.0], equal_var=False).confidence_interval(0.95)
+    assert (w.ci_low, w.ci_high) == pytest.approx((ci.low, ci.high))
+    far = welch_difference([1.0, 2.0, 3.0], [11.0, 12.0, 13.0, 14.0, 12.5])
+    assert not far.agree and far.ci_low > 0 and far.mean_b == pytest.approx(12.5)
+    assert welch_difference([2.0, 2.0], [2.0, 2.0]).agree and not welch_difference([2.0, 2.0], [3.0, 3.0]).agree
+    with pytest.raises(ValueError, match="at least 2 values"):
+        welch_difference([1.0], [1.0, 2.0])

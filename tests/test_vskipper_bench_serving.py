@@ -50,6 +50,8 @@ if mode == "short":
     res.update(total_output_tokens=n * out_len - 3)
 if mode == "nan":
     res.update(mean_tpot_ms=float("nan"))
+if mode == "slow":  # per-request details (--output-details) of a client that saw 50 s TTFTs
+    res.update(ttfts=[50.0] * n, itls=[[0.01] * (out_len - 1)] * n, output_lens=[out_len] * n)
 with open(opt["--output-file"], "a") as f:
     f.write(json.dumps(res) + "\\n")
 '''
@@ -158,6 +160,43 @@ def test_report_table(tmp_path):
     assert "| SGLang bench_serving " in text and "OpenAI client" not in text  # only the checks that ran
 
 
+def test_clients_compared_on_the_same_prompts(fake_python, tmp_path, monkeypatch, tiny_tokenizer, data_dir):
+    """At a Poisson rate without a cap, the project's load generator replays bench_serving's prompts
+    against the same server and the two clients' means are compared: a client reporting 50 s TTFTs
+    against a server answering in milliseconds must DIFFER; with a cap, no comparison is made."""
+    from conftest import save_wide_llama
+    from impl.vskipper.http_check import check_arms
+    from impl.vskipper.schema import Engine
+
+    d = tmp_path / "model"
+    save_wide_llama(d, tiny_tokenizer, 128)
+    monkeypatch.setenv("FAKE_MODE", "slow")
+    run = lambda **kw: check_arms(d, ["upstream"], checks=["bench_serving"], data_dir=data_dir, label="tiny",  # noqa: E731
+                                  engine=Engine(page_size=16),
+                                  bench=BenchServing(python=str(fake_python), num_prompts=4, output_len=8,
+                                                     context_len=120, **kw))[0]
+    r = run(request_rate=20.0, max_concurrency=None)
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert "--max-concurrency" not in argv and argv[argv.index("--request-rate") + 1] == "20.0"
+    assert r["verdict"] == "PASS" and r["clients_agree"] is False, r["detail"]
+    assert r["bench_ttft_ms"] == 50000.0 and 0 < r["loadgen_ttft_ms"] < 50000.0 and r["loadgen_e2e_ms"] > 0
+    assert "the clients DIFFER within their sampling error" in r["detail"] and "same 4 prompts" in r["detail"]
+    r = run(request_rate=20.0, max_concurrency=2)
+    assert r["verdict"] == "PASS" and r["clients_agree"] is None and "clients not compared" in r["detail"]
+
+
+def test_sharegpt_prompts_are_the_ones_the_client_keeps(tmp_path, tiny_tokenizer, data_dir):
+    rows = bs.sharegpt_prompts(data_dir, tiny_tokenizer, 3, 8, 120, False, tmp_path / "sg.json")
+    kept = json.loads((tmp_path / "sg.json").read_text())
+    assert len(rows) == len(kept) == 3 and [r["id"] for r in rows] == [k.get("id") for k in kept]
+    for r, k in zip(rows, kept):
+        assert r["prompt"] == k["conversations"][0]["value"]
+        assert 2 <= len(tiny_tokenizer.encode(r["prompt"])) and len(tiny_tokenizer.encode(r["prompt"])) + 8 <= 120
+        assert r["input_ids"] == tiny_tokenizer(r["prompt"])["input_ids"]
+    with pytest.raises(ValueError, match="only 0 ShareGPT conversations fit context_len 9"):
+        bs.sharegpt_prompts(data_dir, tiny_tokenizer, 3, 8, 9, False, tmp_path / "x.json")
+
+
 def _sglang_python():
     p = os.environ.get("SGLANG_PYTHON") or str(REPO / ".venv-sglang" / "bin" / "python")
     return p if Path(p).is_file() else None
@@ -181,7 +220,7 @@ def test_real_bench_serving_every_arm(tmp_path, tiny_tokenizer, data_dir):
         rows = check_arms(d, list(SERVED_ARMS), "randomskip:r=0.5,d=0.5,seed=3", checks=["bench_serving"],
                           data_dir=data_dir, label="tiny", engine=Engine(page_size=16),
                           bench=BenchServing(python=_sglang_python(), num_prompts=4, output_len=8, context_len=120,
-                                             max_concurrency=2))
+                                             max_concurrency=None, request_rate=20.0))
     finally:
         torch.set_num_threads(prev)
     assert [r["arm"] for r in rows] == list(SERVED_ARMS)
@@ -190,3 +229,5 @@ def test_real_bench_serving_every_arm(tmp_path, tiny_tokenizer, data_dir):
     for r in rows:
         assert r["tokens_exact"] and r["served_requests"] == 5  # 4 measured + 1 warm-up
         assert all(math.isfinite(r[c]) and r[c] > 0 for c in ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s"))
+        # the project's load generator replayed the same prompts at the same rate: both clients' means recorded
+        assert r["clients_agree"] in (True, False) and r["loadgen_e2e_ms"] > 0 and r["bench_e2e_ms"] > 0

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SHAREGPT_FILE", "RESULT_KEYS", "bench_serving", "sharegpt_json", "sglang_python_ok"]
+__all__ = ["SHAREGPT_FILE", "RESULT_KEYS", "bench_serving", "sharegpt_json", "sharegpt_prompts", "sglang_python_ok"]
 
 #: the offline ShareGPT subset, relative to the data folder (../shared/data/SOURCES.md)
 SHAREGPT_FILE = "chat/sharegpt_v3_subset.jsonl"
@@ -88,6 +88,58 @@ def sharegpt_json(data_dir: str | os.PathLike, out: str | os.PathLike, max_recor
     return out
 
 
+def sharegpt_prompts(data_dir: str | os.PathLike, tokenizer, n: int, output_len: int, context_len: int,
+                     chat_template: bool, out: str | os.PathLike) -> list[dict[str, Any]]:
+    """The first ``n`` ShareGPT conversations that ``bench_serving`` keeps (SGLang 0.5.23's
+    ``sample_sharegpt_requests`` rule: two turns or more; the first turn, wrapped in the chat template
+    with the BOS text removed when ``chat_template``; ``2 <= prompt_len`` and ``prompt_len +
+    output_len <= context_len`` with ``tokenizer.encode``), written verbatim to ``out`` as the JSON
+    list the client reads. The client then sends exactly these ``n`` prompts (it shuffles them), so
+    another client given the returned rows sends the same ones.
+
+    Returns:
+        one dict per kept conversation: ``id``, ``prompt`` (the text the client sends) and
+        ``input_ids`` (``tokenizer(prompt)``: the ids the server makes of that text).
+
+    Raises:
+        FileNotFoundError: no ShareGPT subset under ``data_dir``.
+        ValueError: fewer than ``n`` conversations fit ``context_len``.
+    """
+    src = Path(data_dir) / SHAREGPT_FILE
+    if not src.is_file():
+        raise FileNotFoundError(f"no ShareGPT subset at {src} (data_dir/{SHAREGPT_FILE})")
+    kept, rows = [], []
+    with open(src, encoding="utf-8") as f:
+        for line in f:
+            if len(kept) == n:
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            turns = rec.get("conversations", rec.get("conversation", []))
+            if len(turns) < 2:
+                continue
+            prompt = turns[0]["value"]
+            if chat_template:
+                prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                       add_generation_prompt=True, tokenize=False)
+                if tokenizer.bos_token:
+                    prompt = prompt.replace(tokenizer.bos_token, "")
+            n_tok = len(tokenizer.encode(prompt))
+            if n_tok < 2 or n_tok + int(output_len) > int(context_len):
+                continue
+            kept.append(rec)
+            rows.append({"id": rec.get("id", f"sharegpt-{len(rows)}"), "prompt": prompt,
+                         "input_ids": list(tokenizer(prompt)["input_ids"])})
+    if len(kept) < n:
+        raise ValueError(f"only {len(kept)} ShareGPT conversations fit context_len {context_len} with "
+                         f"output_len {output_len}; bench_serving needs num_prompts = {n}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(kept), encoding="utf-8")
+    return rows
+
+
 def _client_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
@@ -97,7 +149,7 @@ def _client_env() -> dict[str, str]:
 
 def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLike, dataset: str | os.PathLike,
                   work: str | os.PathLike, *, num_prompts: int = 8, output_len: int = 32, context_len: int = 512,
-                  max_concurrency: int = 4, request_rate: float = math.inf, seed: int = 1234,
+                  max_concurrency: int | None = 4, request_rate: float = math.inf, seed: int = 1234,
                   chat_template: bool = False, timeout_s: float = 1800.0) -> dict[str, Any]:
     """Run SGLang's ``bench_serving`` (streaming, ``--backend vllm``) against a served arm and judge it.
 
@@ -110,7 +162,7 @@ def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLik
         num_prompts: requests measured (after one warm-up request).
         output_len: tokens per request (EOS ignored).
         context_len: longest prompt + output the client keeps [tokens].
-        max_concurrency: requests the client keeps in flight.
+        max_concurrency: requests the client keeps in flight (None: no cap, open loop).
         request_rate: Poisson arrival rate [requests/s]; ``inf`` sends them all at once.
         seed: the client's sampling seed of the dataset.
         chat_template: wrap each prompt in the model's chat template (``--apply-chat-template``; pass
@@ -119,7 +171,9 @@ def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLik
 
     Returns:
         ``ok``, ``detail`` and the row's columns: ``requests``, ``max_tokens``, ``tokens_exact``,
-        ``served_requests`` and the timing columns of :data:`RESULT_KEYS` (ms, tokens/s, s).
+        ``served_requests`` and the timing columns of :data:`RESULT_KEYS` (ms, tokens/s, s); and
+        ``per_request``: the client's own per-request ``ttft_s``, ``tpot_s`` (inter-token gaps summed
+        over ``output_len - 1``) and ``e2e_s`` (TTFT plus the gaps) [s], None without a result line.
     """
     eng = server.engine
     out = Path(work) / f"bench_serving_{eng.arm}_{int(time.time() * 1000)}.jsonl"
@@ -129,8 +183,8 @@ def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLik
            "--model", str(model_dir), "--served-model-name", eng.served_model_name, "--tokenizer", str(model_dir),
            "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
            "--num-prompts", str(int(num_prompts)), "--sharegpt-output-len", str(int(output_len)),
-           "--sharegpt-context-len", str(int(context_len)), "--max-concurrency", str(int(max_concurrency)),
-           "--request-rate", "inf" if math.isinf(request_rate) else str(float(request_rate)),
+           "--sharegpt-context-len", str(int(context_len)),
+           *(["--max-concurrency", str(int(max_concurrency))] if max_concurrency else []), "--request-rate", "inf" if math.isinf(request_rate) else str(float(request_rate)),
            "--seed", str(int(seed)), "--warmup-requests", "1", "--output-file", str(out), "--output-details",
            "--disable-tqdm", "--ready-check-timeout-sec", "30"]
     templated = bool(chat_template)
@@ -159,8 +213,9 @@ def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLik
     want_tokens = int(num_prompts) * int(output_len)
     ok = completed == int(num_prompts) and not errors and total_out == want_tokens and finite and failed == 0
     detail = (f"sglang.bench_serving --backend vllm, streaming ShareGPT prompts"
-              f"{' (chat template)' if templated else ''}, concurrency "
-              f"{int(max_concurrency)}: {completed}/{int(num_prompts)} completed, {total_out}/{want_tokens} tokens, "
+              f"{' (chat template)' if templated else ''}, "
+              f"{f'concurrency {int(max_concurrency)}' if max_concurrency else 'open loop'}"
+              f"{'' if math.isinf(request_rate) else f' at {request_rate:g} req/s'}: {completed}/{int(num_prompts)} completed, {total_out}/{want_tokens} tokens, "
               f"mean TTFT {_ms(cols['ttft_ms'])}, mean TPOT {_ms(cols['tpot_ms'])}, {served} requests served "
               f"(1 warm-up)")
     if not ok:
@@ -169,8 +224,24 @@ def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLik
         why += ["a timing is not finite"] if not finite else []
         detail += "; " + ("; ".join(why) or "counts differ")
     return dict(ok=ok, detail=detail, requests=int(num_prompts), max_tokens=int(output_len),
-                tokens_exact=total_out == want_tokens, served_requests=served,
+                tokens_exact=total_out == want_tokens, served_requests=served, per_request=_per_request(res),
                 **{c: (round(float(v), 3) if isinstance(v, (int, float)) else None) for c, v in cols.items()})
+
+
+def _per_request(res: dict) -> dict[str, list[float]] | None:
+    """Per-request TTFT, TPOT and E2E [s] from the client's ``--output-details`` lists."""
+    ttfts, itls, outs = res.get("ttfts"), res.get("itls"), res.get("output_lens")
+    if not (isinstance(ttfts, list) and isinstance(itls, list) and isinstance(outs, list)):
+        return None
+    per = {"ttft_s": [], "tpot_s": [], "e2e_s": []}
+    for t, gaps, n in zip(ttfts, itls, outs):
+        if not isinstance(t, (int, float)) or not t > 0 or not isinstance(gaps, list):
+            continue
+        per["ttft_s"].append(float(t))
+        per["e2e_s"].append(float(t) + float(sum(gaps)))
+        if n and n >= 2:
+            per["tpot_s"].append(float(sum(gaps)) / (int(n) - 1))
+    return per
 
 
 def _ms(v: Any) -> str:

@@ -86,9 +86,13 @@ from impl.models.load import load_model, load_tokenizer
 from impl.provenance import read_jsonl, write_json, write_text
 from impl.quality.tasks import TaskOptions, write_task_yamls
 from impl.serving.arms import HTTPCompletionsArm
+from impl.serving.arrivals import poisson_arrivals
+from impl.serving.loadgen import Request, run_load
+from impl.serving.metrics import request_metrics
+from impl.stats import welch_difference
 from impl.vskipper.quality_run import offline
 
-from .bench_serving import RESULT_KEYS, bench_serving, sglang_python_ok, sharegpt_json
+from .bench_serving import RESULT_KEYS, bench_serving, sglang_python_ok, sharegpt_prompts
 from .engine import bind_skipper, generate_greedy, routed_cb_config, unbind_skipper
 from .mode import ModeController, ModeSwitch
 from .schema import SERVED_ARMS, BenchServing, Engine
@@ -124,7 +128,8 @@ REFERENCE_CHECKS = ("client_stream", "greedy_ids", "openai_sdk")
 #: throughput [tokens/s], benchmark duration [s]; empty for the other checks)
 COLUMNS = ("model", "arm", "skipper", "check", "verdict", "detail", "requests", "max_tokens", "tokens_exact",
            "ids_match", "text_match", "metric", "metric_value", "served_requests", "routed_share", "skip_share",
-           *RESULT_KEYS.values(), "wall_s")
+           *RESULT_KEYS.values(), "clients_agree", "bench_e2e_ms", "loadgen_e2e_ms", "bench_ttft_ms", "loadgen_ttft_ms",
+           "bench_tpot_ms", "loadgen_tpot_ms", "wall_s")
 #: the hybrid arm's default mode switch (module docstring): routes every phase of every request at any
 #: load through the switch's planner, without timing-dependent probes
 HYBRID_SWITCH = dict(min_prefill_tokens=0, min_skip_share=0.0, probe_every=1_000_000, enter_threshold=1,
@@ -549,15 +554,69 @@ def _check_endpoints(server, prompt: Sequence[int]) -> dict:
     return dict(ok=ok, detail=detail, requests=len(bad) + 1)
 
 
-def _check_bench_serving(server, model_dir: Path, tokenizer, bench: BenchServing, dataset: Path, work: Path,
-                         seed: int) -> dict:
+def _has_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _check_bench_serving(server, model_dir: Path, tokenizer, bench: BenchServing, dataset: Path,
+                         prompts: list[dict], work: Path, seed: int) -> dict:
     """``bench_serving``: SGLang's own streaming benchmark client against the arm
-    (:func:`impl.vskipper.bench_serving.bench_serving`), with the chat template when the tokenizer has one."""
+    (:func:`impl.vskipper.bench_serving.bench_serving`), with the chat template when the tokenizer has
+    one; at a Poisson rate without a concurrency cap (``request_rate`` set, ``max_concurrency`` null)
+    the project's load generator then replays the same prompts at the same rate and the two clients'
+    mean E2E / TTFT / TPOT are compared (:func:`_clients_agree`)."""
     rate = math.inf if bench.request_rate is None else float(bench.request_rate)
-    return bench_serving(server, model_dir, bench.python, dataset, work, num_prompts=bench.num_prompts,
-                         output_len=bench.output_len, context_len=bench.context_len,
-                         max_concurrency=bench.max_concurrency, request_rate=rate, seed=seed,
-                         chat_template=bool(getattr(tokenizer, "chat_template", None)))
+    res = bench_serving(server, model_dir, bench.python, dataset, work, num_prompts=bench.num_prompts,
+                        output_len=bench.output_len, context_len=bench.context_len,
+                        max_concurrency=bench.max_concurrency, request_rate=rate, seed=seed,
+                        chat_template=_has_template(tokenizer))
+    per = res.pop("per_request", None)
+    if not res["ok"]:
+        return res
+    if math.isinf(rate) or bench.max_concurrency or bench.num_prompts < 2:
+        res["detail"] += ("; clients not compared (the load generator is open loop: set request_rate and "
+                          "max_concurrency: null, num_prompts >= 2)")
+        return res
+    agree = _clients_agree(server, tokenizer, prompts, bench, rate, seed, per)
+    res["detail"] += "; " + agree.pop("detail")
+    res.update(agree)
+    return res
+
+
+def _clients_agree(server, tokenizer, prompts: list[dict], bench: BenchServing, rate: float, seed: int,
+                   per: dict | None) -> dict:
+    """The project's load generator (:func:`impl.serving.loadgen.run_load`, the token-id OpenAI client,
+    ``ignore_eos``) on the prompts ``bench_serving`` sent (the ids the server made of their text), at
+    the same Poisson rate (its own seeded schedule), against the same arm; then per metric the Welch
+    interval of ``mean(load generator) - mean(bench_serving)`` over requests (:func:`impl.stats.welch_difference`).
+
+    Returns:
+        ``clients_agree`` (every interval contains 0), ``loadgen_<m>_ms`` and ``bench_<m>_ms`` for m in
+        e2e / ttft / tpot (ms), and a ``detail`` sentence with each difference and its interval.
+    """
+    if not per or min(len(v) for v in per.values()) < 2:
+        return dict(clients_agree=False, detail="clients not compared: bench_serving gave no per-request timings")
+    eng = server.engine
+    arm = _token_id_client(server.url, eng.served_model_name, tokenizer, f"loadgen-{eng.arm}")
+    reqs = [Request(f"loadgen-{eng.arm}-{i}", tuple(p["input_ids"]), int(bench.output_len), ignore_eos=True)
+            for i, p in enumerate(prompts)]
+    run = run_load(arm, reqs, poisson_arrivals(rate, n=len(reqs), seed=seed), timeout_s=_TIMEOUT_S, keep_ids=False)
+    failed = [r.request_id for r in run.records if not r.ok]
+    if failed:
+        return dict(clients_agree=False, detail=f"clients not compared: the load generator's requests {failed[:3]} failed")
+    mine = [request_metrics(r) for r in run.records]
+    out, parts, agree = {}, [], True
+    for m in ("e2e", "ttft", "tpot"):
+        lg = [x[f"{m}_s"] for x in mine if x[f"{m}_s"] is not None]
+        w = welch_difference(per[f"{m}_s"], lg)
+        agree &= w.agree
+        out[f"bench_{m}_ms"], out[f"loadgen_{m}_ms"] = round(w.mean_a * 1e3, 3), round(w.mean_b * 1e3, 3)
+        parts.append(f"{m.upper()} {w.mean_b * 1e3:.0f} vs {w.mean_a * 1e3:.0f} ms "
+                     f"(diff [{w.ci_low * 1e3:+.0f}, {w.ci_high * 1e3:+.0f}])")
+    verdict = "agree" if agree else "DIFFER"
+    return dict(clients_agree=agree, **out,
+                detail=f"load generator vs bench_serving at {rate:g} req/s, same {len(reqs)} prompts: "
+                       + ", ".join(parts) + f": the clients {verdict} within their sampling error (Welch 95%)")
 
 
 # ======================================================================================================
@@ -649,7 +708,7 @@ def check_arms(
     if need_prompts and (not prompts or any(not p for p in prompts)):
         raise ValueError("need at least one non-empty prompt")
     label = label or model_dir.name
-    in_flight = max(len(prompts), bench.max_concurrency if "bench_serving" in checks else 1)
+    in_flight = max(len(prompts), (bench.max_concurrency or bench.num_prompts) if "bench_serving" in checks else 1)
     cb, ctx = _cb_overrides(model_dir, engine, in_flight)
     ctx_ = _CheckContext(model_dir=model_dir, label=label, prompts=prompts, max_tokens=int(max_tokens),
                          switch=dict(HYBRID_SWITCH if switch is None else switch), cb=cb, max_model_len=ctx,
@@ -666,7 +725,10 @@ def check_arms(
             ts = write_task_yamls(data_dir, work / "tasks", ["gsm8k"], opts)
             with offline():
                 ctx_.task_manager = TaskManager(include_path=str(ts.include_path), include_defaults=False)
-        ctx_.sharegpt = sharegpt_json(data_dir, work / "sharegpt.json") if "bench_serving" in checks else None
+        if "bench_serving" in checks:
+            ctx_.sharegpt = work / "sharegpt.json"
+            ctx_.bench_prompts = sharegpt_prompts(data_dir, ctx_.tokenizer, bench.num_prompts, bench.output_len,
+                                                  bench.context_len, _has_template(ctx_.tokenizer), ctx_.sharegpt)
         ctx_.work = work
         for arm, spec in runs:
             rows += _check_one_arm(ctx_, arm, spec, checks)
@@ -732,6 +794,7 @@ class _CheckContext:
     say: Callable[[str], None]
     task_manager: Any = None
     sharegpt: Path | None = None
+    bench_prompts: list[dict] | None = None
     work: Path | None = None
 
 
@@ -771,7 +834,8 @@ def _run_check(c: _CheckContext, server, check: str, rids: Mapping[str, list[str
     if check == "lm_eval":
         return _check_lm_eval(server, c.model_dir, c.task_manager, c.limit, c.seed)
     if check == "bench_serving":
-        return _check_bench_serving(server, c.model_dir, c.tokenizer, c.bench, c.sharegpt, c.work, c.seed)
+        return _check_bench_serving(server, c.model_dir, c.tokenizer, c.bench, c.sharegpt, c.bench_prompts, c.work,
+                                    c.seed)
     return _check_endpoints(server, c.prompts[0])
 
 

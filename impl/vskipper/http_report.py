@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-__all__ = ["load_rows", "verdict_table", "bench_serving_table", "report_section"]
+__all__ = ["load_rows", "verdict_table", "bench_serving_table", "clients_table", "report_section"]
 
 _CHECK_TITLES = {"client_stream": "OpenAI client (ignore_eos, stream)", "greedy_ids": "greedy ids = in-process",
                  "openai_sdk": "OpenAI SDK (completions, stream + usage, chat)",
@@ -82,6 +82,23 @@ def bench_serving_table(rows: pd.DataFrame) -> pd.DataFrame:
     return df.reset_index(drop=True)
 
 
+def clients_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """One line per ``bench_serving`` row where the project's load generator was compared with SGLang's
+    client on the same prompts at the same rate: both clients' mean E2E / TTFT / TPOT [ms] and whether
+    they agree (every Welch 95% interval of the difference contains 0); empty when none was compared."""
+    if "clients_agree" not in rows:
+        return pd.DataFrame()
+    b = rows[(rows["check"] == "bench_serving") & rows["clients_agree"].notna()]
+    if not len(b):
+        return pd.DataFrame()
+    df = pd.DataFrame({"model": b["model"], "arm": b["arm"], "skipper": [_short(s) for s in b["skipper"]]})
+    for m in ("e2e", "ttft", "tpot"):
+        df[f"{m.upper()} bench_serving [ms]"] = [_num(v, "{:.1f}") for v in b[f"bench_{m}_ms"]]
+        df[f"{m.upper()} load generator [ms]"] = [_num(v, "{:.1f}") for v in b[f"loadgen_{m}_ms"]]
+    df["clients agree"] = ["yes" if str(v).lower() in ("true", "1", "1.0") else "NO" for v in b["clients_agree"]]
+    return df.reset_index(drop=True)
+
+
 def _num(v, fmt: str) -> str:
     try:
         x = float(v)
@@ -133,6 +150,18 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
                   "request; PASS = every request completed with its full output and finite TTFT / TPOT. Timings are "
                   "this machine's, arms served one after another, not a paired comparison.", "",
                   bench.to_markdown(index=False, disable_numparse=True), ""]
+    agree = clients_table(rows)
+    if len(agree):
+        n_ok = int((agree["clients agree"] == "yes").sum())
+        lines += ["### SGLang's client and the project's load generator on the same arm", "",
+                  "At a Poisson rate with no concurrency cap (`vskipper.http.bench_serving.request_rate`, "
+                  "`max_concurrency: null`), right after `bench_serving` the project's load generator "
+                  "(impl/serving/loadgen.py, token-id OpenAI client) replays the same prompts (the ids the server "
+                  "made of the text `bench_serving` sent) at the same rate against the same server. Means over "
+                  "requests; agree = the Welch 95% interval of each difference contains 0. Different request ids "
+                  "give RandomSkip other routes, and the two schedules are independent draws of the same process.", "",
+                  f"The clients agree on **{n_ok}/{len(agree)}** arms.", "",
+                  agree.to_markdown(index=False, disable_numparse=True), ""]
     bad = rows[rows["verdict"] != "PASS"]
     if len(bad):
         lines += ["### Failing checks", "",

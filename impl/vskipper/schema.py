@@ -218,8 +218,11 @@ class BenchServing(Section):
     num_prompts: PosInt = Field(8, description="measured requests per arm (after one warm-up)")
     output_len: Annotated[int, Field(ge=4)] = Field(32, description="tokens per request, EOS ignored")
     context_len: Annotated[int, Field(ge=8)] = Field(512, description="longest prompt + output kept [tokens]")
-    max_concurrency: PosInt = Field(4, description="requests in flight")
-    request_rate: PosNum | None = Field(None, description="Poisson arrivals [requests/s]; null: all at once")
+    max_concurrency: PosInt | None = Field(4, description="requests in flight; null: no cap (open loop)")
+    request_rate: PosNum | None = Field(None, description="Poisson arrivals [requests/s]; null: all at once. With a "
+                                                          "rate and max_concurrency null the project's load "
+                                                          "generator replays the same prompts at the same rate and "
+                                                          "the two clients' E2E / TTFT / TPOT are compared")
     models: list[Name] | None = Field(None, description="models measured (rule vskipper_bench_serving); "
                                                         "null: every model of the config")
     arms: Annotated[list[Literal[SERVED_ARMS]], Field(min_length=1, json_schema_extra=_UNIQUE)] = Field(  # type: ignore[valid-type]

@@ -16,6 +16,23 @@ def test_timing_columns_are_reported_not_compared():
         assert not is_timing(c), c
 
 
+def test_time_derived_values_under_plain_names_by_table_and_row():
+    assert is_timing("SR", "tev/tev_arms.csv") and not is_timing("SR", "dex/dex_arms.csv")
+    assert is_timing("expansion_share", "dex/dex_overhead.csv") and not is_timing("expansion_share", "dex/dex_arms.csv")
+    assert is_timing("E2E mean", "vskipper/vskipper_table2.csv") and is_timing("threshold_N", "vskipper/vskipper_thresholds.csv")
+    assert not is_timing("tau", "tev/tev_arms.csv") and not is_timing("skip_share", "vskipper/vskipper_cells.csv")
+    # a cell whose metric is a latency or a throughput: its effect is timing; a count metric is compared
+    a = pd.DataFrame({"metric": ["e2e_mean_s", "tps_window", "output_tokens"], "mean": [1.0, 2.0, 3.0]})
+    d = compare_tables(a, a.assign(mean=[5.0, 6.0, 3.0]), "vskipper/vskipper_cells.csv")
+    assert d.problems == [] and "mean" in d.compared_columns
+    d = compare_tables(a, a.assign(mean=[5.0, 6.0, 4.0]), "vskipper/vskipper_cells.csv")
+    assert len(d.problems) == 1 and "first at row 2: 3.0 vs 4.0" in d.problems[0]
+    # the DEX arm picked as fastest may be another K in another run; the other rows are compared
+    f = pd.DataFrame({"kind": ["AR", "DEX (best K by wall)"], "arm": ["ar", "dex-1/2"]})
+    assert compare_tables(f, f.assign(arm=["ar", "dex-1/4"]), "dex/dex_fig5.csv").problems == []
+    assert compare_tables(f, f.assign(arm=["ar2", "dex-1/2"]), "dex/dex_fig5.csv").problems
+
+
 def _t(**over):
     d = {"arm": ["ar", "dex"], "tokens": [10, 10], "ar_match_all": [True, True], "depth_speedup": [1.0, 1.5],
          "seconds": [1.0, 0.5]}

@@ -12,34 +12,73 @@ are split in two kinds:
   and critical layers are counts), EAD, losses of seeded training, parameters: compared exactly (floats
   to ``rtol``, default 1e-9; NaN equals NaN).
 
+Names alone do not say everything: some tables hold time-derived values under plain names (TEV's
+``SR``, DEX's overhead shares, vSkipper's E2E effects and break-even thresholds, the step benchmark's
+measured ratios). :data:`TABLE_TIMING` names them per table, and :data:`TIMED_ROWS` marks rows whose
+values are chosen or measured by the clock (the DEX arm picked as fastest, a cell whose ``metric`` is a
+latency); both are reported, not compared.
+
 A file present on one side only, a different row count or column set, or a differing compared value
 makes the comparison fail (the command exits 1), naming the file, the column and the first differing row.
-Values chosen *from* timings (a tuned baseline's parameters, the fastest DEX arm's name, a vSkipper knee)
-are not timing columns and can differ between two runs of the same code on a loaded machine: read the
-named column before calling it a regression.
+Other values chosen *from* timings (a tuned baseline's parameters, a vSkipper knee) can still differ
+between two runs of the same code on a loaded machine: read the named column before calling it a
+regression.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["TIMING", "is_timing", "FileDiff", "compare_tables", "compare_dirs"]
+__all__ = ["TIMING", "TABLE_TIMING", "TIMED_ROWS", "is_timing", "FileDiff", "compare_tables", "compare_dirs"]
 
 #: column names that hold wall-clock measurements or values derived from them (regular expression)
 TIMING = re.compile(r"(seconds|_s$|_s_|_ms|ms_|^ms$|per_s|throughput|latency|wall|projected|"
-                    r"speedup_mean|ci_low|ci_high|above_ar|p_value|t_stat|^speedup|_speedup_vs|time|ratio_measured)")
+                    r"speedup_mean|ci_low|ci_high|above_ar|p_value|t_stat|^speedup|_speedup_vs|time|ratio_measured|_window$)")
 #: timing-looking names that are counts (layer accounting, DEX Prop. 7)
 NOT_TIMING = {"depth_speedup", "critical_layers", "layer_work"}
 
 
-def is_timing(column: str) -> bool:
-    """Whether ``column`` holds a wall-clock measurement or a value derived from one (module docstring)."""
+#: per table (glob on the path relative to the tables directory): column globs measured from timings
+TABLE_TIMING: dict[str, tuple[str, ...]] = {
+    "tev/*.csv": ("SR",),  # TEV's wall-clock speedup ratio
+    "tev/tev_latency.csv": ("*_us", "*ratio*"),
+    "dex/dex_overhead.csv": ("*_share",),  # shares of the measured round time
+    "dex/dex_walltime_model.csv": ("delta_*",),  # fitted from measured round times
+    "vskipper/*.csv": ("E2E *", "TTFT *", "TPOT *", "makespan", "e2e_*", "ttft_*", "tpot_*", "*threshold_N",
+                       "profitable", "break_even_share", "tps_window"),
+    "vskipper/vskipper_randomskip.csv": ("mean", "ci_low", "ci_high", "resolved", "text"),  # E2E % effects
+    "vskipper_bench/*.csv": ("measured_ratio", "abs_gap", "*_%", "*_worst"),
+}
+#: (table glob, key column, predicate on its value, column globs): in the rows whose key matches, those
+#: columns were chosen or measured by the clock
+TIMED_ROWS: tuple[tuple[str, str, object, tuple[str, ...]], ...] = (
+    ("dex/dex_fig5.csv", "kind", lambda v: "by wall" in str(v), ("*",)),  # the DEX arm picked as fastest
+    ("vskipper/*.csv", "metric", lambda v: is_timing(str(v)),
+     ("mean", "ci_low", "ci_high", "resolved", "improved", "text", "baseline_mean", "treatment_mean")),
+)
+
+
+def is_timing(column: str, table: str = "") -> bool:
+    """Whether ``column`` (of ``table``, a path relative to the tables directory) holds a wall-clock
+    measurement or a value derived from one (module docstring)."""
+    if any(fnmatch(table, t) and any(fnmatch(column, c) for c in cols) for t, cols in TABLE_TIMING.items()):
+        return True
     return column not in NOT_TIMING and bool(TIMING.search(column))
+
+
+def _timed_rows(df: pd.DataFrame, table: str, column: str) -> np.ndarray:
+    """Per row: whether ``column``'s value in that row was chosen or measured by the clock (TIMED_ROWS)."""
+    timed = np.zeros(len(df), dtype=bool)
+    for t, key, pred, cols in TIMED_ROWS:
+        if fnmatch(table, t) and key in df and any(fnmatch(column, c) for c in cols):
+            timed |= np.array([bool(pred(v)) for v in df[key]], dtype=bool)
+    return timed
 
 
 @dataclass
@@ -85,11 +124,12 @@ def compare_tables(a: pd.DataFrame, b: pd.DataFrame, path: str = "", rtol: float
         d.problems.append(f"{len(a)} rows in A, {len(b)} in B")
         return d
     for c in [c for c in a.columns if c in b.columns]:
-        if is_timing(c):
+        if is_timing(c, path):
             d.timing_columns.append(c)
             continue
         d.compared_columns.append(c)
         eq = _equal(a[c].reset_index(drop=True), b[c].reset_index(drop=True), rtol)
+        eq |= _timed_rows(a.reset_index(drop=True), path, c) | _timed_rows(b.reset_index(drop=True), path, c)
         if not eq.all():
             i = int(np.argmin(eq))
             d.problems.append(f"column {c!r} differs in {int((~eq).sum())} rows; first at row {i}: "

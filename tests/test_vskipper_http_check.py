@@ -83,6 +83,19 @@ def test_every_arm_passes_every_check(model_dir, prompts_file, data_dir):
     assert "0/2 routed" in by[("upstream", "greedy_ids")]["detail"]
 
 
+def test_mechanism_ablation_arms_equal_their_in_process_reference(model_dir, prompts_file):
+    """The Table 3 ablations serve under the same switch as the reference (ModeSwitch.ablation), so
+    the streamed ids equal the in-process ones; never-route routes nothing, the others route."""
+    arms = ["prefill-only", "decode-only", "no-promotion", "never-route"]
+    rows = _run(model_dir, prompts_file, arms=arms, checks=["greedy_ids", "openai_sdk"])
+    bad = [(r["arm"], r["check"], r["detail"]) for r in rows if r["verdict"] != "PASS"]
+    assert not bad, bad
+    by = {(r["arm"], r["check"]): r for r in rows}
+    assert "0/2 routed" in by[("never-route", "greedy_ids")]["detail"]
+    for arm in ("prefill-only", "decode-only", "no-promotion"):
+        assert "2/2 routed in some phase" in by[(arm, "greedy_ids")]["detail"], by[(arm, "greedy_ids")]["detail"]
+
+
 def test_wrong_reference_fails(model_dir, prompts_file):
     def dense_for_everyone(model_dir, arm, spec, prompts, rids, max_tokens, **kw):
         return in_process_reference(model_dir, "upstream", None, prompts, rids, max_tokens, **kw)

@@ -206,12 +206,14 @@ def in_process_reference(model_dir: str | os.PathLike, arm: str, skipper_spec: A
     ``upstream``: :func:`~impl.vskipper.engine.generate_greedy` on the unmodified model (dense);
     ``always-route``: on a model bound with the skipper (``mode="routed"``); ``hybrid``: routed with a
     :class:`~impl.vskipper.mode.ModeController` of ``switch`` as planner, one controller carried across
-    the calls (the server keeps one for its life). Every request generates exactly ``max_tokens``
+    the calls (the server keeps one for its life); the mechanism ablations (``prefill-only``,
+    ``decode-only``, ``no-promotion``, ``never-route``): the same with ``switch`` under that ablation
+    (:meth:`~impl.vskipper.mode.ModeSwitch.ablation`, as the engine applies it). Every request generates exactly ``max_tokens``
     tokens (no EOS stop: the ``ignore_eos`` requests' reference).
 
     Args:
         model_dir: the Hugging Face model directory (loaded afresh here, on ``device`` in ``dtype``).
-        arm: ``upstream``, ``hybrid`` or ``always-route``.
+        arm: one of :data:`SERVED_ARMS`.
         skipper_spec: the routed arms' policy (:func:`~impl.vskipper.spec.parse_skipper_spec`).
         prompts, request_ids: the requests (the ids matter to RandomSkip).
         max_tokens: tokens per request.
@@ -223,8 +225,8 @@ def in_process_reference(model_dir: str | os.PathLike, arm: str, skipper_spec: A
             fails a request.
     """
 
-    if arm not in ARMS:
-        raise ValueError(f"in-process reference for arm {arm!r}: choose from {', '.join(ARMS)}")
+    if arm not in SERVED_ARMS:
+        raise ValueError(f"in-process reference for arm {arm!r}: choose from {', '.join(SERVED_ARMS)}")
     if arm != "upstream" and skipper_spec is None:
         raise ValueError(f"arm {arm!r} needs a skipper spec")
     model = load_model(model_dir, dtype=getattr(torch, dtype)).to(device)
@@ -237,14 +239,19 @@ def in_process_reference(model_dir: str | os.PathLike, arm: str, skipper_spec: A
         return out
     bind_skipper(model, parse_skipper_spec(skipper_spec, model))
     try:
-        planner = ModeController(ModeSwitch(**dict(HYBRID_SWITCH if switch is None else switch))) \
-            if arm == "hybrid" else None
+        sw = ModeSwitch(**dict(HYBRID_SWITCH if switch is None else switch))
+        planner = None if arm == "always-route" else ModeController(sw.ablation(_switch_setting(arm)))
         for p, rid in zip(prompts, request_ids):
             out += generate_greedy(model, [p], max_new_tokens=int(max_tokens), mode="routed", request_ids=[rid],
                                    cb_config=cb, planner=planner)
     finally:
         unbind_skipper(model)
     return out
+
+
+def _switch_setting(arm: str) -> str:
+    """The :meth:`~impl.vskipper.mode.ModeSwitch.ablation` setting a switch arm serves under."""
+    return "served" if arm == "hybrid" else arm
 
 
 # ======================================================================================================
@@ -852,7 +859,7 @@ def _check_one_arm(c: _CheckContext, arm: str, spec: Any, checks: Sequence[str])
     refs, ref_err = _arm_references(c, arm, spec, rids, tag)
     try:
         server = serve(c.model_dir, arm, spec, port=0, block=False, served_model_name=c.label,
-                       switch=c.switch if arm == "hybrid" else None, cb_overrides=c.cb, dtype=c.dtype,
+                       switch=None if arm in ("upstream", "always-route") else c.switch, cb_overrides=c.cb, dtype=c.dtype,
                        device=c.device, max_model_len=c.max_model_len)
     except Exception as e:  # noqa: BLE001 - every check of this arm fails, the other arms still run
         log.exception("%s: the server did not start", tag)

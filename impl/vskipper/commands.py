@@ -207,13 +207,13 @@ def cmd_vskipper_http_check(args) -> None:
                     bench_serving=bench.model_dump() if "bench_serving" in checks else None,
                     hybrid_switch=HYBRID_SWITCH, engine=None if engine is None else engine.model_dump(),
                     data_dir=str(core.data_dir))
+    prov = run_provenance(cfg)  # before the run: the git sha of the code that runs, not of a later commit
     t0 = time.perf_counter()
     rows = check_arms(args.model_dir, settings["arms"], specs, args.prompts, n_prompts=args.n_prompts,
                       max_tokens=args.max_tokens, data_dir=core.data_dir, limit=args.limit, num_fewshot=num_fewshot,
                       max_gen_toks=int(max_gen), engine=engine, label=args.label, dtype=core.dtype,
                       device=core.device, seed=core.seed, checks=checks, bench=bench)
     wall = time.perf_counter() - t0
-    prov = run_provenance(cfg)
     summary = write_outputs(rows, args.out, args.summary,
                             extra=dict(label=args.label or str(args.model_dir).rstrip("/").split("/")[-1],
                                        settings=settings, wall_s=round(wall, 1), **prov))

@@ -26,8 +26,9 @@ import torch
 from impl.models.load import load_model, load_tokenizer
 from impl.vskipper import ModeSwitch, RandomSkip, bind_skipper, generate_greedy, routed_cb_config
 from impl.vskipper.driver import ARMS
+import impl.vskipper.server as server_mod
 from impl.vskipper.server import serve
-from impl.vskipper.spec import parse_layers, parse_skipper_spec
+from impl.vskipper.spec import check_skipper_spec, parse_layers, parse_skipper_spec
 from conftest import save_wide_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -540,6 +541,28 @@ def test_parse_skipper_spec(model_dir, tmp_path):
         serve(model_dir, "sideways", SPEC, block=False)
     with pytest.raises(ValueError, match="needs a skipper"):
         serve(model_dir, "always-route", None, block=False)
+
+
+@pytest.mark.parametrize("spec, exc, match", [
+    ("randomskip:r=2,d=0.5", ValueError, "r and d in"),
+    ("randomskip:r=0.5,d=abc", ValueError, "d must be a number"),
+    ("randomskip:r=0.5,d=0.5,seed=x", ValueError, "seed must be an integer"),
+    ("randomskip:r=0.5", ValueError, "bad parameters"),
+    ("random:r=0.5,d=0.5,layers=3-9", ValueError, "outside the model's 4 layers"),
+    ("static:n_run=9", ValueError, "n_run=9"),
+    ("nosuch:x=1", ValueError, "nosuch"),
+    ("flexidepth:/no/such/dir", FileNotFoundError, "checkpoint directory not found"),
+])
+def test_bad_skipper_spec_refused_before_weights_load(model_dir, monkeypatch, spec, exc, match):
+    """The server's start-up check names the bad parameter from config.json alone: no weights read."""
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded before the skipper spec was checked")
+
+    monkeypatch.setattr(server_mod, "load_model", no_load)
+    with pytest.raises(exc, match=match):
+        serve(model_dir, "always-route", spec, block=False)
+    check_skipper_spec("randomskip:r=0.5,d=0.5", 4)  # a good spec passes
+    check_skipper_spec("static:n_run=1,layers=1-3", 4)
 
 
 def test_cli_prints_port_and_stops_on_sigterm(model_dir):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 
 def _check_dir(path: str | Path, what: str, builder: str | None) -> Path:
@@ -37,6 +37,19 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, builder:
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
     model.eval()
     return model
+
+
+def model_num_layers(path: str | Path, *, builder: str | None = None) -> int:
+    """Number of decoder layers of a local model directory, from its ``config.json`` alone (no weights
+    read: the start-up checks that run before :func:`load_model`).
+
+    Raises:
+        FileNotFoundError: as :func:`load_model`.
+    """
+
+    cfg = AutoConfig.from_pretrained(_check_dir(path, "model", builder), local_files_only=True)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(cfg.num_hidden_layers)
 
 
 def load_tokenizer(path: str | Path, *, builder: str | None = None):

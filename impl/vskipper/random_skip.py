@@ -18,6 +18,7 @@ is an integer, as for the paper's 16 routed layers and d in {1/4, 1/2, 3/4}).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable
 
 import torch
@@ -105,15 +106,21 @@ class RandomSkip(Skipper):
             ``"fixed"`` (every selected row skips the same hashed k layers).
 
     Raises:
-        ValueError: if ``r`` or ``d`` lies outside [0, 1] or ``layer_choice`` is unknown.
+        ValueError: if ``r`` or ``d`` is not a number in [0, 1], ``seed`` not an integer, or
+            ``layer_choice`` unknown.
     """
 
     def __init__(self, routed_layers: Iterable[int], r: float, d: float, seed: int = 0, layer_choice: str = "per_row"):
         super().__init__(routed_layers)
+        for key, val in (("r", r), ("d", d)):
+            if isinstance(val, bool) or not isinstance(val, numbers.Real):
+                raise ValueError(f"RandomSkip: {key} must be a number in [0, 1], got {val!r}")
         if not 0.0 <= float(r) <= 1.0 or not 0.0 <= float(d) <= 1.0:
             raise ValueError(f"RandomSkip needs r and d in [0, 1], got r={r}, d={d}")
         if layer_choice not in ("per_row", "fixed"):
             raise ValueError(f"layer_choice must be 'per_row' or 'fixed', got {layer_choice!r}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(f"RandomSkip: seed must be an integer, got {seed!r}")
         self.r, self.d, self.seed, self.layer_choice = float(r), float(d), int(seed), layer_choice
         n = len(self.routed_layers)
         self.k = int(math.floor(self.d * n + 0.5 + 1e-9))  # round half up

@@ -34,14 +34,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from impl.models.load import load_model, load_tokenizer
+from impl.models.load import load_model, load_tokenizer, model_num_layers
 
 from ..argtypes import ArgumentParser, nonneg_int, port, positive_float, positive_int
 from .api_server import CompletionServer, make_server
 from .driver import ARMS, CompletionEngine
 from .engine import routed_cb_config
 from .mode import ModeSwitch
-from .spec import parse_literal, parse_skipper_spec
+from .spec import check_skipper_spec, parse_literal, parse_skipper_spec
 
 __all__ = ["DEFAULT_MAX_MODEL_LEN", "DEFAULT_MAX_NUM_SEQS", "default_threads", "kv_cache_plan", "main", "serve"]
 
@@ -137,6 +137,7 @@ def serve(model_dir: str | Path, arm: str = "hybrid", skipper_spec: Any = None, 
     if threads:
         torch.set_num_threads(int(threads))
     model_dir = Path(model_dir)
+    check_skipper_spec(skipper_spec, model_num_layers(model_dir))  # before any weights are read
     model = load_model(model_dir, dtype=_dtype(dtype)).to(device)
     tokenizer = load_tokenizer(model_dir)
     if isinstance(switch, Mapping):

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from .skipper import SKIPPERS, Skipper, build_skipper
 
-__all__ = ["describe_skipper", "parse_layers", "parse_literal", "parse_skipper_spec"]
+__all__ = ["check_skipper_spec", "describe_skipper", "parse_layers", "parse_literal", "parse_skipper_spec"]
 
 
 def parse_layers(text: str, num_layers: int) -> list[int]:
@@ -77,6 +77,30 @@ def _num_layers(model) -> int | None:
     return int(cfg.num_hidden_layers)
 
 
+def _name_and_params(spec: Any) -> tuple[str, dict[str, Any]]:
+    """``(canonical registered name, parameters)`` of a string or mapping spec."""
+    if isinstance(spec, Mapping):
+        kw = dict(spec)
+        name = str(kw.pop("name", "")).strip().lower()
+    else:
+        s = str(spec).strip()
+        if not s:
+            raise ValueError("empty skipper spec")
+        if Path(s).is_dir() and (Path(s) / "flexidepth.json").is_file():
+            name, rest = "flexidepth", s
+        else:
+            name, _, rest = s.partition(":")
+            name = name.strip().lower()
+        rest = rest.strip()
+        if rest and "=" not in rest and "," not in rest:
+            kw = {"checkpoint": rest}
+        else:
+            kw = {k: parse_literal(v) for k, v in _kv(rest).items()}
+    if not name:
+        raise ValueError(f"skipper spec {spec!r} has no name")
+    return SKIPPERS.canonical(name), kw  # RegistryError (a ValueError) lists the registered names
+
+
 def parse_skipper_spec(spec: Any, model=None) -> Skipper:
     """Build a skip policy from a compact spec, through the skipper registry
     (:data:`~impl.vskipper.skipper.SKIPPERS`: any registered name or alias).
@@ -107,26 +131,7 @@ def parse_skipper_spec(spec: Any, model=None) -> Skipper:
     """
     if isinstance(spec, Skipper):
         return spec
-    if isinstance(spec, Mapping):
-        kw = dict(spec)
-        name = str(kw.pop("name", "")).strip().lower()
-    else:
-        s = str(spec).strip()
-        if not s:
-            raise ValueError("empty skipper spec")
-        if Path(s).is_dir() and (Path(s) / "flexidepth.json").is_file():
-            name, rest = "flexidepth", s
-        else:
-            name, _, rest = s.partition(":")
-            name = name.strip().lower()
-        rest = rest.strip()
-        if rest and "=" not in rest and "," not in rest:
-            kw = {"checkpoint": rest}
-        else:
-            kw = {k: parse_literal(v) for k, v in _kv(rest).items()}
-    if not name:
-        raise ValueError(f"skipper spec {spec!r} has no name")
-    name = SKIPPERS.canonical(name)  # RegistryError (a ValueError) lists the registered names
+    name, kw = _name_and_params(spec)
     factory = SKIPPERS.get_entry(name)
     params = inspect.signature(factory).parameters
     L = _num_layers(model)
@@ -144,6 +149,35 @@ def parse_skipper_spec(spec: Any, model=None) -> Skipper:
         return build_skipper(name, **kw)
     except TypeError as exc:  # wrong / missing keyword for the registered policy's constructor
         raise ValueError(f"skipper {name!r}: bad parameters {sorted(kw)} ({exc})") from None
+
+
+class _LayerCount:
+    """Config-only stand-in for a model: what :func:`parse_skipper_spec` reads from a model that the
+    policy itself does not receive (the number of layers, for the default ``routed_layers``)."""
+
+    def __init__(self, num_layers: int):
+        self.config = type("_Config", (), {"num_hidden_layers": int(num_layers)})()
+
+
+def check_skipper_spec(spec: Any, num_layers: int) -> None:
+    """Validate a skipper spec before any weights are loaded (the server's and the commands' start-up
+    check): grammar, registered name, parameters and their ranges, layer indices against
+    ``num_layers``. A policy built without the model (RandomSkip, static) is built once on a
+    config-only stand-in and dropped; a policy that needs the model (FlexiDepth) gets its checkpoint
+    directory checked, and its shapes are checked when :func:`parse_skipper_spec` binds it.
+
+    Raises:
+        ValueError: as :func:`parse_skipper_spec`; FileNotFoundError: for a missing checkpoint directory.
+    """
+    if spec is None or isinstance(spec, Skipper):
+        return
+    name, kw = _name_and_params(spec)
+    if "model" in inspect.signature(SKIPPERS.get_entry(name)).parameters:
+        ckpt = kw.get("checkpoint")
+        if ckpt is not None and not Path(str(ckpt)).is_dir():
+            raise FileNotFoundError(f"skipper {name!r}: checkpoint directory not found: {ckpt}")
+        return
+    parse_skipper_spec(spec, _LayerCount(num_layers))
 
 
 def describe_skipper(sk: Skipper | None) -> dict | None:

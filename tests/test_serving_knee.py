@@ -4,7 +4,7 @@ sweep on the deterministic fake arm (vSkipper Sec. 4.1 "Load", App. M)."""
 import pytest
 
 from impl.serving.fake import FakeArm
-from impl.serving.knee import find_knee, knee_sweep, load_points
+from impl.serving.knee import capacity_rates, find_knee, knee_sweep, load_points, serial_capacity
 from impl.serving.loadgen import Request
 
 
@@ -76,3 +76,30 @@ def test_sweep_refusal_keeps_the_rows():
     with pytest.raises(ValueError, match="top rung") as ei:
         knee_sweep(arm, _requests(), [0.5, 1, 2], seed=5)
     assert len(ei.value.rows) == 3
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_serial_capacity_serves_one_at_a_time(slots):
+    """Service 0.01 s prefill + 10 tokens at 0.01 s = 0.1 s alone, whatever the parallelism: 10 req/s."""
+    arm = FakeArm("upstream", slots=slots, ttft_s=0.01, tpot_s=0.01)
+    cap = serial_capacity(arm, _requests(), n=3)
+    assert cap["n"] == 3 and len(cap["service_s"]) == 3 and arm.runs == 3
+    assert cap["capacity_req_s"] == pytest.approx(1.0 / cap["service_s_mean"])
+    assert cap["capacity_req_s"] == pytest.approx(10.0, rel=0.1)
+    assert not any(ie for _, _, ie in arm.submitted)  # natural generation
+    with pytest.raises(ValueError):
+        serial_capacity(arm, _requests(), n=0)
+    with pytest.raises(RuntimeError, match="r0 failed"):
+        serial_capacity(FakeArm("upstream", fail=["r0"]), _requests(), n=1)
+
+
+def test_capacity_rates_bracket_the_knee_of_the_fake_arm():
+    arm = FakeArm("upstream", slots=1, ttft_s=0.01, tpot_s=0.01)
+    rates = capacity_rates(serial_capacity(arm, _requests(), n=2)["capacity_req_s"], [0.25, 0.5, 1, 2, 4])
+    assert rates == pytest.approx([2.5, 5, 10, 20, 40], rel=0.1) and rates == sorted(rates)
+    knee, _ = knee_sweep(arm, _requests(), rates, seed=5)  # bracketed: no refusal at a boundary rung
+    assert rates[0] < knee.q_star < rates[-1]
+    assert capacity_rates(3.14159, [1, 2]) == [3.14, 6.28]
+    for bad_cap, bad_f in ((0, [1, 2]), (1, [2, 1]), (1, [0, 1]), (1, [])):
+        with pytest.raises(ValueError):
+            capacity_rates(bad_cap, bad_f)

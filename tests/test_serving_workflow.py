@@ -61,6 +61,8 @@ def test_schema_defaults_fill_in():
     ({"bogus": 1}, "vskipper.bogus"),
     ({"knee": {"rates": [1, 2]}}, "vskipper.knee.rates"),
     ({"knee": {"on_boundary": "crash"}}, "vskipper.knee.on_boundary"),
+    ({"knee": {"scale": "relative"}}, "vskipper.knee.scale"),
+    ({"knee": {"scale": "capacity", "probe_requests": 0}}, "vskipper.knee.probe_requests"),
     ({"repetitions": 0}, "vskipper.repetitions"),
     ({"lanes": ["fast"]}, "vskipper.lanes[0]"),
     ({"randomskip": {"point": "peak"}}, "vskipper.randomskip.point"),
@@ -213,6 +215,25 @@ def test_knee_command_on_the_engine(tiny_dirs):
     assert k["status"] in ("ok", "top", "bottom") and k["q_star_used"] in (20.0, 40.0, 80.0)
     assert k["bracketed"] == (k["status"] == "ok")
     assert k["load_points"]["knee"] == pytest.approx(0.95 * k["q_star_used"])
+
+
+def test_knee_command_with_capacity_scaled_rates(tiny_dirs):
+    """knee.scale: capacity: the serial-capacity probe on the upstream arm sets the rates (factors x mu)."""
+    d = tiny_dirs
+    cfg = json.loads(d["config"].read_text())
+    cfg["vskipper"]["knee"].update({"scale": "capacity", "rates": [0.5, 1, 2], "probe_requests": 2})
+    conf = d["root"] / "config_capacity.json"
+    conf.write_text(json.dumps(validate_config(cfg, check_paths=False)))
+    out = d["root"] / "knee_capacity.json"
+    _run({**d, "config": conf}, "knee", "--model-dir", str(d["model"]), "--prompts", str(d["prompts"]),
+         "--workload", "gsm8k", "--out", str(out))
+    k = json.loads(out.read_text())
+    cap = k["serial_capacity"]
+    assert k["rate_scale"] == "capacity" and k["rate_factors"] == [0.5, 1, 2] and cap["n"] == 2
+    assert cap["capacity_req_s"] == pytest.approx(1.0 / cap["service_s_mean"]) and cap["capacity_req_s"] > 0
+    assert k["rates"] == pytest.approx([f * cap["capacity_req_s"] for f in (0.5, 1, 2)], rel=1e-2)
+    assert [r["rate"] for r in k["rows"]] == k["rates"] and all(r["n_failed"] == 0 for r in k["rows"])
+    assert k["q_star_used"] in k["rates"]
 
 
 def test_knee_command_at_a_boundary_rung_still_writes_its_result(tiny_dirs, monkeypatch):

@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from .arms import Arm
-from .arrivals import poisson_arrivals
+from .arrivals import ArrivalSchedule, poisson_arrivals
 from .loadgen import Request, run_load
 from .metrics import cell_metrics
 
-__all__ = ["KneeResult", "find_knee", "load_points", "knee_sweep", "LOAD_FACTORS", "DEFAULT_EPS"]
+__all__ = ["KneeResult", "find_knee", "load_points", "knee_sweep", "serial_capacity", "capacity_rates", "LOAD_FACTORS",
+           "DEFAULT_EPS"]
 
 #: the paper's load points relative to Q*: below the knee, the knee, overload
 LOAD_FACTORS: dict[str, float] = {"below": 0.75, "knee": 0.95, "overload": 1.25}
@@ -131,6 +132,54 @@ def load_points(q_star: float, factors: Mapping[str, float] | None = None) -> di
     if bad:
         raise ValueError(f"load factors must be positive, got {bad}")
     return {k: float(v) * q for k, v in facs.items()}
+
+
+def serial_capacity(arm: Arm, requests: Sequence[Request], *, n: int = 4, timeout_s: float = 600.0) -> dict[str, Any]:
+    """The baseline's serial service capacity ``mu = 1 / mean(E2E)`` [requests/s]: the first ``n``
+    requests served one at a time under natural generation (nothing else in flight), each on a fresh
+    start of the arm. It sets the scale of a capacity-relative sweep (:func:`capacity_rates`), so the
+    same rate factors bracket the knee of a 3M-parameter model and of a 135M one on the same CPU
+    (the paper sweeps absolute rates chosen per model and GPU, App. M).
+
+    Args:
+        arm: the baseline (upstream) arm.
+        requests: the workload's requests (natural caps; ``ignore_eos`` forced off).
+        n: requests to serve (>= 1; at most ``len(requests)``).
+        timeout_s: per-request completion timeout, seconds.
+
+    Returns:
+        ``{"capacity_req_s", "service_s_mean", "service_s": [per request], "n"}`` (seconds, requests/s).
+
+    Raises:
+        ValueError: for ``n < 1`` or no requests; RuntimeError: if a request fails.
+    """
+    if n < 1 or not requests:
+        raise ValueError(f"serial_capacity needs n >= 1 and at least one request, got n={n}, {len(requests)} requests")
+    one = ArrivalSchedule(offsets_s=(0.0,), rate=1.0, seed=0, window_s=1.0)
+    service = []
+    for r in list(requests)[:n]:
+        rec = run_load(arm, [Request(r.request_id, r.input_ids, r.max_new_tokens, False)], one,
+                       timeout_s=timeout_s).records[0]
+        if not rec.ok:
+            raise RuntimeError(f"serial capacity probe: request {rec.request_id} failed: {rec.error}")
+        service.append(rec.finish_s - rec.arrival_s)
+    mean = sum(service) / len(service)
+    return {"capacity_req_s": 1.0 / mean, "service_s_mean": mean, "service_s": service, "n": len(service)}
+
+
+def capacity_rates(capacity_req_s: float, factors: Sequence[float]) -> list[float]:
+    """Absolute sweep rates [requests/s] ``factors x capacity``, rounded to 3 significant digits.
+
+    Raises:
+        ValueError: for a non-positive capacity or factor, or factors that are not strictly increasing.
+    """
+    c = float(capacity_req_s)
+    if not math.isfinite(c) or c <= 0:
+        raise ValueError(f"capacity must be a positive number of requests/s, got {capacity_req_s!r}")
+    f = [float(x) for x in factors]
+    if not f or any(x <= 0 for x in f) or any(b <= a for a, b in zip(f, f[1:])):
+        raise ValueError(f"rate factors must be positive and strictly increasing, got {list(factors)}")
+    return [float(f"{c * x:.3g}") for x in f]
 
 
 def knee_sweep(arm: Arm, requests: Sequence[Request], rates: Sequence[float], *, seed: int, eps: float = DEFAULT_EPS,

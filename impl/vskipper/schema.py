@@ -27,8 +27,11 @@ Keys (units in brackets):
 - ``engine``: transformers continuous-batching settings shared by every arm: ``page_size`` [tokens],
   ``num_blocks`` (null: enough pages for every request of a run at once), ``max_batch_tokens``
   [tokens per forward], ``max_requests_per_batch``.
-- ``knee``: the Q* sweep on the upstream arm under natural generation: absolute ``rates`` [req/s]
-  (>= 3), growth threshold ``eps``, ``requests`` (null = ``requests``), ``on_boundary``:
+- ``knee``: the Q* sweep on the upstream arm under natural generation: ``rates`` (>= 3, increasing),
+  absolute [req/s] with ``scale: absolute`` or multiples of the upstream arm's serial capacity
+  (``1 / mean E2E`` of ``probe_requests`` requests served one at a time,
+  :func:`impl.serving.knee.serial_capacity`) with ``scale: capacity``, so one grid brackets the knee
+  of models of very different speed; growth threshold ``eps``, ``requests`` (null = ``requests``), ``on_boundary``:
   ``boundary`` (when the knee falls on the bottom/top rung, cells run at the load points of that rung
   and every row and table says the knee was not bracketed) or ``skip`` (cells write one ``skipped``
   row instead of measuring).
@@ -140,7 +143,12 @@ class Knee(Section):
     """``vskipper.knee``: the Q* sweep on the upstream arm under natural generation."""
 
     rates: list[PosNum] = Field([4.0, 8.0, 12.0, 16.0, 24.0, 32.0], min_length=3, json_schema_extra=_UNIQUE,
-                                description="absolute arrival rates [req/s]")
+                                description="arrival rates [req/s] (scale: absolute) or multiples of the serial "
+                                            "capacity (scale: capacity)")
+    scale: Literal["absolute", "capacity"] = Field(
+        "absolute", description="absolute: rates in req/s; capacity: rates x the upstream arm's serial capacity "
+                                "1 / mean E2E of probe_requests requests served one at a time")
+    probe_requests: PosInt = Field(4, description="requests of the serial-capacity probe (scale: capacity)")
     eps: NonNegNum = Field(0.02, description="growth threshold")
     requests: PosInt | None = Field(None, description="null = vskipper.requests")
     on_boundary: Literal["boundary", "skip"] = "boundary"

@@ -275,7 +275,7 @@ def cmd_knee(args) -> None:
     from impl.provenance import write_json
 
     from impl.serving.inprocess import ContinuousBatchingArm
-    from impl.serving.knee import knee_sweep, load_points
+    from impl.serving.knee import capacity_rates, knee_sweep, load_points, serial_capacity
     from impl.serving.protocol import cell_seed
 
     cfg = _cfg_threads(args)
@@ -286,9 +286,19 @@ def cmd_knee(args) -> None:
     reqs = _requests(v, args.prompts, kn.requests)
     arm = ContinuousBatchingArm(model, UPSTREAM, cb_config=cb_config_for(v.engine, reqs))
     seed = cell_seed(core.seed, args.workload, "knee-sweep")
+    probe = None
+    rates = list(kn.rates)
+    if kn.scale == "capacity":
+        probe = serial_capacity(arm, reqs, n=min(kn.probe_requests, len(reqs)), timeout_s=v.timeout_s)
+        rates = capacity_rates(probe["capacity_req_s"], kn.rates)
+        if len(set(rates)) != len(rates):
+            raise ValueError(f"vskipper.knee.rates: factors {list(kn.rates)} give repeated rates {rates} at the serial "
+                             f"capacity {probe['capacity_req_s']:.4g} req/s; space the factors further apart")
+        log.info("knee %s: serial capacity %.4g req/s (mean service %.3f s over %d requests) -> rates %s",
+                 args.workload, probe["capacity_req_s"], probe["service_s_mean"], probe["n"], rates)
     rows = []
     try:
-        _, rows = knee_sweep(arm, reqs, kn.rates, seed=seed, eps=kn.eps, timeout_s=v.timeout_s,
+        _, rows = knee_sweep(arm, reqs, rates, seed=seed, eps=kn.eps, timeout_s=v.timeout_s,
                              on_point=lambda r: log.info("knee %s: %.4g req/s -> TPS %.2f, E2E %.3f s", args.workload,
                                                          r["rate"], r["tps_window"], r["e2e_mean_s"]))
     except ValueError as e:  # a knee on a boundary rung: the rows are measured, the outcome is below
@@ -297,7 +307,8 @@ def cmd_knee(args) -> None:
             raise
     outcome = knee_outcome([r["rate"] for r in rows], [r["tps_window"] for r in rows], kn.eps)
     out = {"workload": args.workload, "model": v.model, "requests": len(reqs), "max_new_tokens": v.max_new_tokens,
-           "rates": list(kn.rates), "eps": kn.eps, "schedule_seed": seed, "on_boundary": kn.on_boundary,
+           "rates": rates, "rate_scale": kn.scale, "rate_factors": list(kn.rates) if probe else None,
+           "serial_capacity": probe, "eps": kn.eps, "schedule_seed": seed, "on_boundary": kn.on_boundary,
            **outcome, "load_points": load_points(outcome["q_star_used"], v.load_points),
            "load_factors": dict(v.load_points), "rows": rows, **_prov(cfg)}
     if outcome["status"] != "ok":

@@ -303,8 +303,7 @@ def cmd_decode(args) -> None:
     import torch
 
     from .methods import METHODS, decode_prompts, parse_exploration_set
-    from .models.depth import num_layers
-    from .models.load import load_model, load_tokenizer
+    from .models.load import load_model, load_tokenizer, model_num_layers
     from .provenance import provenance, write_jsonl
     from .spec.sampling import DecodeRule
 
@@ -319,16 +318,20 @@ def cmd_decode(args) -> None:
         params = args.params
     elif args.method not in ("ar", "dex", "dynamic_exit"):  # every other method has required parameters
         usage_error(f"--method {args.method} needs --params (see python -m impl decode --help)")
+    if not Path(args.prompts).is_file():
+        usage_error(f"--prompts: file not found: {args.prompts}")
+    if args.method == "dex":  # checked from config.json, before any weights are read
+        try:
+            params = {"exploration_set": parse_exploration_set(args.exploration_set, args.explorers,
+                                                               model_num_layers(args.model_dir)),
+                      "decs": args.decs, "single_exit": args.single_exit, "dedupe": args.dedupe}
+        except FileNotFoundError as e:
+            usage_error(f"--model-dir: {e}")
+        except ValueError as e:
+            usage_error(f"--exploration-set/--explorers: {e}")
     torch.set_num_threads(args.threads)
     model = load_model(args.model_dir, dtype=getattr(torch, args.dtype))
     tok = load_tokenizer(args.model_dir)
-    if args.method == "dex":
-        try:
-            params = {"exploration_set": parse_exploration_set(args.exploration_set, args.explorers,
-                                                               num_layers(model)),
-                      "decs": args.decs, "single_exit": args.single_exit, "dedupe": args.dedupe}
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
     rule = DecodeRule(temperature=args.temperature, seed=args.seed)
     eos = None if args.ignore_eos else model.config.eos_token_id
     adapters = None

@@ -55,6 +55,22 @@ def test_schema_defaults_fill_in():
     assert again["vskipper"] == out["vskipper"]
 
 
+def _merge(base: dict, over: dict) -> dict:
+    """Snakemake's merge of --configfile files: nested keys of the later file replace the earlier's."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def test_smollm2_overlay_validates_with_capacity_knee():
+    base = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    over = yaml.safe_load((ROOT / "configs" / "vskipper_smollm2.yaml").read_text())
+    v = validate_config(_merge(base, over), check_paths=False)["vskipper"]
+    assert v["model"] == "smollm2" and v["knee"]["scale"] == "capacity" and v["knee"]["probe_requests"] == 4
+    assert v["workloads"] == base["vskipper"]["workloads"]  # the rest of the default is kept
+
+
 @pytest.mark.parametrize("section, key", [
     ({"model": "nope"}, "vskipper.model"),
     ({"workloads": ["coqa"]}, "vskipper.workloads[0]"),

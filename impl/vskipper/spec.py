@@ -145,10 +145,24 @@ def parse_skipper_spec(spec: Any, model=None) -> Skipper:
         kw["routed_layers"] = list(range(L // 2, L))
     if "model" in params and "model" not in kw:
         kw["model"] = model
+    _check_params(name, params, kw)
     try:
         return build_skipper(name, **kw)
-    except TypeError as exc:  # wrong / missing keyword for the registered policy's constructor
+    except TypeError as exc:  # a constructor that takes **kwargs and refuses one of them
         raise ValueError(f"skipper {name!r}: bad parameters {sorted(kw)} ({exc})") from None
+
+
+def _check_params(name: str, params: Mapping[str, inspect.Parameter], kw: Mapping[str, Any]) -> None:
+    """Name the missing and the unknown parameters of a spec against the policy's constructor."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = {k: p for k, p in params.items() if p.kind in kinds}
+    missing = [k for k, p in named.items() if p.default is inspect.Parameter.empty and k not in kw]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [] if takes_any else sorted(k for k in kw if k not in named)
+    if missing or unknown:
+        shown = ["layers" if k == "routed_layers" else k for k in named]
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(unknown)}"] if unknown else [])
+        raise ValueError(f"skipper {name!r}: {'; '.join(parts)} (its parameters: {', '.join(shown)})")
 
 
 class _LayerCount:

@@ -100,6 +100,6 @@ def test_capacity_rates_bracket_the_knee_of_the_fake_arm():
     knee, _ = knee_sweep(arm, _requests(), rates, seed=5)  # bracketed: no refusal at a boundary rung
     assert rates[0] < knee.q_star < rates[-1]
     assert capacity_rates(3.14159, [1, 2]) == [3.14, 6.28]
-    for bad_cap, bad_f in ((0, [1, 2]), (1, [2, 1]), (1, [0, 1]), (1, [])):
+    for bad_cap, bad_f in ((0, [1, 2]), (1, [2, 1]), (1, [0, 1]), (1, []), (1, [1, 1.0001])):
         with pytest.raises(ValueError):
             capacity_rates(bad_cap, bad_f)

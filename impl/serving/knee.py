@@ -171,7 +171,8 @@ def capacity_rates(capacity_req_s: float, factors: Sequence[float]) -> list[floa
     """Absolute sweep rates [requests/s] ``factors x capacity``, rounded to 3 significant digits.
 
     Raises:
-        ValueError: for a non-positive capacity or factor, or factors that are not strictly increasing.
+        ValueError: for a non-positive capacity or factor, factors that are not strictly increasing,
+            or factors so close that two rates round to the same value.
     """
     c = float(capacity_req_s)
     if not math.isfinite(c) or c <= 0:
@@ -179,7 +180,11 @@ def capacity_rates(capacity_req_s: float, factors: Sequence[float]) -> list[floa
     f = [float(x) for x in factors]
     if not f or any(x <= 0 for x in f) or any(b <= a for a, b in zip(f, f[1:])):
         raise ValueError(f"rate factors must be positive and strictly increasing, got {list(factors)}")
-    return [float(f"{c * x:.3g}") for x in f]
+    rates = [float(f"{c * x:.3g}") for x in f]
+    if len(set(rates)) != len(rates):
+        raise ValueError(f"rate factors {f} give repeated rates {rates} at the capacity {c:.4g} requests/s; "
+                         "space the factors further apart")
+    return rates
 
 
 def knee_sweep(arm: Arm, requests: Sequence[Request], rates: Sequence[float], *, seed: int, eps: float = DEFAULT_EPS,

@@ -290,10 +290,10 @@ def cmd_knee(args) -> None:
     rates = list(kn.rates)
     if kn.scale == "capacity":
         probe = serial_capacity(arm, reqs, n=min(kn.probe_requests, len(reqs)), timeout_s=v.timeout_s)
-        rates = capacity_rates(probe["capacity_req_s"], kn.rates)
-        if len(set(rates)) != len(rates):
-            raise ValueError(f"vskipper.knee.rates: factors {list(kn.rates)} give repeated rates {rates} at the serial "
-                             f"capacity {probe['capacity_req_s']:.4g} req/s; space the factors further apart")
+        try:
+            rates = capacity_rates(probe["capacity_req_s"], kn.rates)
+        except ValueError as e:
+            raise ValueError(f"vskipper.knee.rates: {e}") from None
         log.info("knee %s: serial capacity %.4g req/s (mean service %.3f s over %d requests) -> rates %s",
                  args.workload, probe["capacity_req_s"], probe["service_s_mean"], probe["n"], rates)
     rows = []

@@ -101,7 +101,7 @@ def _name_and_params(spec: Any) -> tuple[str, dict[str, Any]]:
     return SKIPPERS.canonical(name), kw  # RegistryError (a ValueError) lists the registered names
 
 
-def parse_skipper_spec(spec: Any, model=None) -> Skipper:
+def parse_skipper_spec(spec: Any, model=None, *, num_layers: int | None = None) -> Skipper:
     """Build a skip policy from a compact spec, through the skipper registry
     (:data:`~impl.vskipper.skipper.SKIPPERS`: any registered name or alias).
 
@@ -124,6 +124,8 @@ def parse_skipper_spec(spec: Any, model=None) -> Skipper:
         spec: the spec.
         model: the causal LM the policy is for (number of layers for the default ``routed_layers``,
             device / dtype and shape checks for checkpoints).
+        num_layers: the number of layers when no ``model`` is given (the start-up check,
+            :func:`check_skipper_spec`).
 
     Raises:
         ValueError: for an empty or malformed spec, missing or unknown parameters, or an unknown name.
@@ -134,7 +136,7 @@ def parse_skipper_spec(spec: Any, model=None) -> Skipper:
     name, kw = _name_and_params(spec)
     factory = SKIPPERS.get_entry(name)
     params = inspect.signature(factory).parameters
-    L = _num_layers(model)
+    L = _num_layers(model) if model is not None else num_layers
     if "layers" in kw:
         raw = kw.pop("layers")
         kw["routed_layers"] = ([int(x) for x in raw] if isinstance(raw, (list, tuple))
@@ -165,19 +167,11 @@ def _check_params(name: str, params: Mapping[str, inspect.Parameter], kw: Mappin
         raise ValueError(f"skipper {name!r}: {'; '.join(parts)} (its parameters: {', '.join(shown)})")
 
 
-class _LayerCount:
-    """Config-only stand-in for a model: what :func:`parse_skipper_spec` reads from a model that the
-    policy itself does not receive (the number of layers, for the default ``routed_layers``)."""
-
-    def __init__(self, num_layers: int):
-        self.config = type("_Config", (), {"num_hidden_layers": int(num_layers)})()
-
-
 def check_skipper_spec(spec: Any, num_layers: int) -> None:
     """Validate a skipper spec before any weights are loaded (the server's and the commands' start-up
     check): grammar, registered name, parameters and their ranges, layer indices against
-    ``num_layers``. A policy built without the model (RandomSkip, static) is built once on a
-    config-only stand-in and dropped; a policy that needs the model (FlexiDepth) gets its checkpoint
+    ``num_layers``. A policy built without the model (RandomSkip, static) is built once and
+    dropped; a policy that needs the model (FlexiDepth) gets its checkpoint
     directory checked, and its shapes are checked when :func:`parse_skipper_spec` binds it.
 
     Raises:
@@ -191,7 +185,7 @@ def check_skipper_spec(spec: Any, num_layers: int) -> None:
         if ckpt is not None and not Path(str(ckpt)).is_dir():
             raise FileNotFoundError(f"skipper {name!r}: checkpoint directory not found: {ckpt}")
         return
-    parse_skipper_spec(spec, _LayerCount(num_layers))
+    parse_skipper_spec(spec, num_layers=num_layers)
 
 
 def describe_skipper(sk: Skipper | None) -> dict | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -56,7 +57,10 @@ def test_step_benchmark_rows_and_shares():
     for r in rows:
         json.dumps(r)  # plain, JSON-able
         assert r["t_step_s"] > 0 and r["measured_ratio"] > 0 and 0 < r["flop_pred_ratio"] <= 1
-        assert r["label"] == "t" and len(r["t_steps_s"]) == 1
+        assert r["label"] == "t"
+        # paired rounds: upstream before the first arm and after every arm
+        assert len(r["t_steps_s"]) == (n_arms if r["arm"] == "upstream" else 1)
+        assert len(r["paired_ratios"]) == (0 if r["arm"] == "upstream" else 1)
     n_routed = 2  # last half of 4 layers
     for r in rows:
         if r["kind"] == "routed":
@@ -78,6 +82,34 @@ def test_step_benchmark_rows_and_shares():
     t = check_targets(rows)
     assert t["all_run"] in ("PASS", "FAIL") and t["prefill_flop"] == "NA"  # no >= 2k-token prefill cell here
     assert t["hybrid_dense"] in ("PASS", "FAIL", "NA")
+
+
+def test_paired_rounds_cancel_drift(monkeypatch):
+    """Every arm costs the same, but the machine slows by 1% per step: the paired ratio (each arm over the
+    mean of the upstream steps around it) stays 1, where medians of raw times would drift with position."""
+    import types
+
+    import impl.vskipper.bench as bench
+
+    clock = {"t": 0.0, "n": 0}
+
+    def fake_step(model, cell, ctx, planner=None):
+        clock["n"] += 1
+        clock["t"] += 1.0 + 0.01 * clock["n"]
+
+    monkeypatch.setattr(bench, "_run_step", fake_step)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    m = _tiny()
+    rows = step_benchmark(m, [dict(phase="decode", requests=4, context=8)], grid=[(0.5, 0.5), (0.25, 0.5)],
+                          hybrid=False, repeats=4, warmup=1, label="t")
+    assert [r["arm"] for r in rows] == ["upstream", "all_run", "random_r0.5_d0.5", "random_r0.25_d0.5"]
+    for r in rows[1:]:
+        assert len(r["paired_ratios"]) == 4
+        assert r["measured_ratio"] == pytest.approx(1.0, abs=1e-9)
+        lo, hi = r["ratio_ci95"]
+        assert lo == pytest.approx(1.0, abs=1e-9) and hi == pytest.approx(1.0, abs=1e-9)
+    # the raw medians do drift: late steps are slower than the upstream median
+    assert max(abs(r["t_step_s"] / r["t_upstream_s"] - 1) for r in rows[1:]) > 0.0
 
 
 def test_default_grid():
@@ -152,3 +184,24 @@ def test_command_runs_tiny(tmp_path, monkeypatch):
     lines = report_section(tmp_path / "tables", tmp_path, tmp_path)
     text = "\n".join(lines)
     assert "all-RUN" in text and "wide" in text and "Where decode time goes" in text
+
+
+def test_bench_models_config_check_names_the_key():
+    import copy
+    from pathlib import Path
+
+    from impl.config import ConfigError, read_yaml, validate_config
+
+    base = read_yaml(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
+
+    def check(models):
+        cfg = copy.deepcopy(base)
+        cfg["vskipper"]["bench"] = {"models": models}
+        return validate_config(cfg, check_paths=False)
+
+    with pytest.raises(ConfigError, match=r"'vskipper.bench.models\[0\]' names 'gpt9'"):
+        check(["gpt9"])
+    own = base["vskipper"]["model"]
+    with pytest.raises(ConfigError, match=rf"'vskipper.bench.models\[0\]' = '{re.escape(own)}' is vskipper.model"):
+        check([own])
+    assert check(["smollm2"])["vskipper"]["bench"]["models"] == ["smollm2"]

@@ -9,14 +9,15 @@ if CFG.get("vskipper"):
     VSKB_MODEL = VSKB["model"]
     VSKB_DIR = f"{RESULTS}/vskipper/bench"
     VSKB_TABLES = f"{RESULTS}/tables/vskipper_bench"
-    VSKB_LABELS = [VSKB_MODEL, "wide"]
+    VSKB_EXTRA = list((VSKB.get("bench") or {}).get("models") or [])  # timed without FlexiDepth / hybrid arms
+    VSKB_LABELS = [VSKB_MODEL, *VSKB_EXTRA, "wide"]
     _vskb_rd = VSKB.get("randomskip") or {}
     _vskb_grid = [str(x) for x in (_vskb_rd.get("r") or [0.25, 0.5, 0.75])], \
         [str(x) for x in (_vskb_rd.get("d") or [0.25, 0.5, 0.75])]
     # settings: the optional vskipper.bench config keys when present (read by the command); otherwise the
     # command's defaults (the r x d grid {0.25, 0.5, 0.75}^2, prefill 2048 tokens, decode 32 / 128 requests),
     # scaled down when the config's RandomSkip grid is smaller than 3 x 3 (the smoke config)
-    if VSKB.get("bench"):
+    if any(k != "models" for k in (VSKB.get("bench") or {})):
         VSKB_ARGS = ""
     elif len(_vskb_grid[0]) * len(_vskb_grid[1]) < 9:
         VSKB_ARGS = ("--r " + " ".join(_vskb_grid[0]) + " --d " + " ".join(_vskb_grid[1]) +
@@ -34,6 +35,7 @@ if CFG.get("vskipper"):
             "../env.yaml"
         input:
             unpack(lambda w: ({} if w.vskb_label == "wide" else
+                              {"model": str(model_dir(CFG, w.vskb_label))} if w.vskb_label in VSKB_EXTRA else
                               {"model": str(model_dir(CFG, VSKB_MODEL)), "ckpt": f"{MODELS}/{VSKB_MODEL}-flexidepth"})),
         output:
             rows=f"{VSKB_DIR}/{{vskb_label}}.jsonl",
@@ -41,6 +43,8 @@ if CFG.get("vskipper"):
         params:
             cfg=EFFECTIVE_CONFIG,
             src=lambda w, input: ("--wide" if w.vskb_label == "wide" else
+                                  f"--model-dir {input.model} --no-hybrid"
+                                  if w.vskb_label in VSKB_EXTRA else
                                   f"--model-dir {input.model} --flexidepth {input.ckpt}"),
             args=VSKB_ARGS,
             sig=sig("seed", "threads", "device", "dtype", vsk={k: VSKB.get(k) for k in ("bench", "randomskip")}),

@@ -53,7 +53,7 @@ TABLE_TIMING: dict[str, tuple[str, ...]] = {
     "vskipper/*.csv": ("E2E *", "TTFT *", "TPOT *", "makespan", "e2e_*", "ttft_*", "tpot_*", "*threshold_N",
                        "profitable", "break_even_share", "tps_window"),
     "vskipper/vskipper_randomskip.csv": ("mean", "ci_low", "ci_high", "resolved", "text"),  # E2E % effects
-    "vskipper_bench/*.csv": ("measured_ratio", "abs_gap", "*_%", "*_worst"),
+    "vskipper_bench/*.csv": ("measured_ratio", "ratio_ci_*", "abs_gap", "*_%", "*_worst"),
 }
 #: (table glob, key column, predicate on its value, column globs): in the rows whose key matches, those
 #: columns were chosen or measured by the clock

@@ -11,7 +11,8 @@ engine's sdpa/eager path uses, logits only at each request's last row as the eng
 - a *decode* cell with ``n`` running requests: one row per request, each with ``C`` cached tokens
   (random K/V in a ``DynamicCache``: only shapes matter for time), ``K = n C + n`` key columns.
 
-Arms, interleaved round by round (rotating order), median per arm:
+Arms, timed in rounds (each round a fresh seeded order of the arms, an ``upstream`` step before the
+first arm and after every arm), per arm the median over rounds of its paired ratio:
 
 - ``upstream``: the unmodified decoder layers (no wrapper, no router);
 - ``all_run``: routed layers installed with a policy under which every row RUNs (RandomSkip r = 0: the
@@ -40,7 +41,10 @@ and per step
     F_routed = F_full - N_po f_skip              (N_po: realised Project-Only (row, layer) pairs)
     flop_pred_ratio = F_routed / F_full.
 
-The measured ratio is ``t_arm / t_upstream`` (medians). ``wide_model`` builds the wider randomly
+The measured ratio is the median over rounds of ``t_arm / mean(t_upstream before, t_upstream after)``:
+each arm against the upstream steps timed next to it, so the machine's slow drift cancels (an earlier
+design, one rotating order with medians of raw times, biased the arms timed late in a round by up to
++-5% on this VM); ``ratio_ci95`` is the t interval of the mean paired ratio. ``wide_model`` builds the wider randomly
 initialised model these timings are meant for (timings only: its outputs mean nothing).
 """
 
@@ -246,6 +250,17 @@ def _layers_of(model, layers: Sequence):
             ml[i] = m
 
 
+def _mean_ci(xs: Sequence[float], level: float = 0.95) -> list[float] | None:
+    """Student-t interval of the mean of ``xs`` (None with fewer than two values)."""
+    if len(xs) < 2:
+        return None
+    from scipy import stats
+
+    m, se = statistics.fmean(xs), statistics.stdev(xs) / math.sqrt(len(xs))
+    h = float(stats.t.ppf(0.5 + level / 2, len(xs) - 1)) * se
+    return [m - h, m + h]
+
+
 def _share(ctx: RowContext, phase: int) -> tuple[int, int]:
     run = po = 0
     for (_, ph), (r, p) in ctx.counts.items():
@@ -286,7 +301,7 @@ def step_benchmark(
         thresholds: a routed-cost profile (:func:`profile_routed_cost`'s output) to derive the switch's
             thresholds from; default: profile here with ``profile_kw``.
         repeats, warmup: timed rounds (median) and untimed warm-up rounds (the first, which records the
-            shares, always runs); arms are interleaved with a rotating order.
+            shares, always runs); rounds are paired (module docstring).
         seed: seed of the inputs and of the default RandomSkip.
         label: copied into every row (e.g. the model's name).
         log: optional progress callback.
@@ -294,7 +309,8 @@ def step_benchmark(
     Returns:
         one plain dict per (cell, arm): ``label``, ``cell``, ``phase``, ``arm``, ``kind``, ``r``, ``d``,
         sizes (``T``, ``K``, ``G``, ``requests``, ``context``/``prompt_len``), ``t_step_s`` (median),
-        ``t_steps_s`` (all), ``t_upstream_s``, ``measured_ratio``, ``skip_share`` (realised Project-Only
+        ``t_steps_s`` (all), ``t_upstream_s``, ``measured_ratio`` (median paired ratio), ``paired_ratios``,
+        ``ratio_ci95``, ``skip_share`` (realised Project-Only
         share over routed (row, routed layer) pairs; NaN when none was routed), ``routed_rows_share``,
         ``n_po`` (Project-Only (row, layer) pairs per step), ``flop_pred_ratio``, ``abs_gap``
         (|measured - predicted|), ``hybrid_routed`` (hybrid arms), ``policy_share`` (expected share).
@@ -367,29 +383,51 @@ def step_benchmark(
                                             routed_rows=(run + po) / n_layers / cell.T)
                     if arm.planner is not None:  # a fresh controller, same decision, for the timed steps
                         arm.planner = ModeController(arm.planner.switch)
-            # timed rounds, interleaved with a rotating order
+            # timed rounds, paired: each round times the arms in a fresh seeded order with an upstream
+            # step before the first arm and after every arm (U A U B U ...); an arm's ratio in the round
+            # is its time over the mean of the two upstream steps around it, so slow drift of the
+            # machine (other tenants, frequency) cancels instead of biasing the arms timed late in a round
+            others = [arm for arm in arms if arm.kind != "upstream"]
+            up_arm = arms[0]
             times = {arm.name: [] for arm in arms}
-            n_arms = len(arms)
+            paired = {arm.name: [] for arm in others}
+            order_gen = torch.Generator().manual_seed(seed + 7919 * len(rows))
             extra_warmup = max(0, warmup - 1)  # the stats round above is the first warm-up round
+
+            def timed(arm) -> float:
+                with _layers_of(model, arm.layers):
+                    t0 = time.perf_counter()
+                    _run_step(model, cell, arm.ctx, arm.planner)
+                    return time.perf_counter() - t0
+
             for rnd in range(extra_warmup + max(1, repeats)):
-                for j in range(n_arms):
-                    arm = arms[(j + rnd) % n_arms]
-                    with _layers_of(model, arm.layers):
-                        t = time.perf_counter()
-                        _run_step(model, cell, arm.ctx, arm.planner)
-                        dt = time.perf_counter() - t
-                    if rnd >= extra_warmup:
+                perm = torch.randperm(len(others), generator=order_gen).tolist()
+                t_prev = timed(up_arm)
+                keep = rnd >= extra_warmup
+                if keep:
+                    times[up_arm.name].append(t_prev)
+                for j in perm:
+                    arm = others[j]
+                    dt = timed(arm)
+                    t_next = timed(up_arm)
+                    if keep:
                         times[arm.name].append(dt)
+                        times[up_arm.name].append(t_next)
+                        paired[arm.name].append(dt / (0.5 * (t_prev + t_next)))
+                    t_prev = t_next
             t_up = statistics.median(times["upstream"])
             for arm in arms:
                 t = statistics.median(times[arm.name])
                 sh = shares[arm.name]
                 pred = flop_pred_ratio(a, T=cell.T, K=cell.K, G=cell.G, n_po=sh["n_po"])
-                meas = t / t_up
+                ratios = paired.get(arm.name) or [1.0]
+                meas = statistics.median(ratios)
                 row = dict(label=label, cell=cell.name, phase=cell.phase, arm=arm.name, kind=arm.kind,
                            r=arm.info.get("r"), d=arm.info.get("d"), policy_share=arm.info.get("policy_share"),
                            T=cell.T, K=cell.K, G=cell.G, **cell.info, n_routed_layers=len(layers),
                            t_step_s=t, t_steps_s=times[arm.name], t_upstream_s=t_up, measured_ratio=meas,
+                           paired_ratios=ratios if arm.kind != "upstream" else [],
+                           ratio_ci95=_mean_ci(ratios) if arm.kind != "upstream" else None,
                            skip_share=sh["share"], routed_rows_share=sh["routed_rows"], n_po=sh["n_po"],
                            flop_pred_ratio=pred, abs_gap=abs(meas - pred), repeats=int(repeats),
                            threads=torch.get_num_threads())

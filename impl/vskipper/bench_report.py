@@ -36,9 +36,11 @@ def bench_tables(summaries: Iterable[str | os.PathLike], out_dir: str | os.PathL
         s = json.loads(Path(f).read_text(encoding="utf-8"))
         lab = s["label"]
         for r in s["ratios"]:
+            ci = r.get("ratio_ci95") or [None, None]
             ratios.append({"model": lab, **{k: r.get(k) for k in ("cell", "arm", "skip_share", "t_step_s",
-                                                                  "measured_ratio", "flop_pred_ratio", "abs_gap",
-                                                                  "hybrid_routed")}})
+                                                                  "measured_ratio")},
+                           "ratio_ci_lo": ci[0], "ratio_ci_hi": ci[1],
+                           **{k: r.get(k) for k in ("flop_pred_ratio", "abs_gap", "hybrid_routed")}})
         t = s["targets"]
         targets.append({"model": lab, "threads": s.get("threads"),
                         **{k: t.get(k) for k in ("all_run", "all_run_worst", "prefill_flop", "prefill_flop_worst",
@@ -67,8 +69,10 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
     md = lambda d: d.to_markdown(index=False, floatfmt=".3f")  # noqa: E731
     ratios, targets, prof = (read(n) for n in TABLES)
     lines = ["## vSkipper: per-step timings vs FLOP accounting (timings only)", "",
-             "Engine-shaped packed steps on this CPU (median of interleaved rounds; shared cores, so compare "
-             "ratios). measured = t_arm / t_upstream; flop = F_routed / F_full (impl/vskipper/bench.py: skipped "
+             "Engine-shaped packed steps on this CPU (shared cores, so compare ratios). measured = median over "
+             "rounds of t_arm / mean(t_upstream before, t_upstream after): every arm is timed between two "
+             "upstream steps, so the machine's drift cancels (ratio_ci_lo / _hi in the table: t interval of "
+             "the mean paired ratio); flop = F_routed / F_full (impl/vskipper/bench.py: skipped "
              "rows save q/o projections, attention over the packed K columns and the MLP; K/V projections and the "
              "LM head stay). The wide model is randomly initialised: its outputs mean nothing.", ""]
     if len(targets):

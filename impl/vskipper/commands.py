@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 #: defaults of the settings (flag name with underscores -> value)
 BENCH_DEFAULTS = dict(
-    prefill_tokens=[2048], prompt_len=256, decode_requests=[32, 128], decode_context=64, repeats=3, warmup=1,
+    prefill_tokens=[2048], prompt_len=256, decode_requests=[32, 128], decode_context=64, repeats=5, warmup=1,
     r=[0.25, 0.5, 0.75], d=[0.25, 0.5, 0.75], hybrid=True, profile_repeats=2, profile_steps=3,
     profile_requests=[32, 128], wide_hidden=256, wide_intermediate=704, wide_layers=12, wide_heads=4,
 )
@@ -99,10 +99,10 @@ def cmd_vskipper_bench(args) -> None:
     write_jsonl(args.out, [dict(r, **prov) for r in rows])
     targets = check_targets(rows)
     table = [{k: r.get(k) for k in ("cell", "arm", "kind", "r", "d", "skip_share", "t_step_s", "measured_ratio",
-                                    "flop_pred_ratio", "abs_gap", "hybrid_routed")} for r in rows]
+                                    "ratio_ci95", "flop_pred_ratio", "abs_gap", "hybrid_routed")} for r in rows]
     summary = dict(label=label, source=source, arch=arch_of(model), settings=s, cells=cells, targets=targets,
                    ratios=table, decode_profile=prof, threads=torch.get_num_threads(),
-                   timing_note="CPU wall clock, median of interleaved rounds; shared cores: noisy, compare ratios",
+                   timing_note="CPU wall clock; each arm over the upstream steps timed next to it (median of paired ratios over rounds); shared cores: noisy, compare ratios",
                    **prov)
     write_json(args.summary, summary)
     log.info("%s: all_run %s, prefill_flop %s, hybrid_dense %s -> %s", label, targets["all_run"],

@@ -356,9 +356,11 @@ class RoutedDecoderLayer(nn.Module):
         if hasattr(layer, "attention_type"):
             self.attention_type = layer.attention_type
         attn = layer.self_attn
-        self._rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+        mod = sys.modules[type(attn).__module__]
+        self._rope = getattr(mod, "apply_rotary_pos_emb", None)
         if self._rope is None:
             raise ValueError(f"layer {layer_idx}: no apply_rotary_pos_emb in {type(attn).__module__}")
+        self._rotate_half = getattr(mod, "rotate_half", None)
 
     # ------------------------------------------------------------------------------------------------
     def forward(
@@ -459,7 +461,7 @@ class RoutedDecoderLayer(nn.Module):
                 k = attn.k_norm(k)
             k = k.transpose(1, 2)  # [1, kvh, T, d]
             v = attn.v_proj(normed).view(1, T, -1, head_dim).transpose(1, 2)
-            k = self._rope(k, k, cos, sin)[1]
+            k = self._rotary(k, cos, sin)
             attn_kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
             if cache is not None:
                 update_kwargs = dict(attn_kwargs)  # the paged cache edits the dict it gets
@@ -473,17 +475,24 @@ class RoutedDecoderLayer(nn.Module):
         n_run = run_idx.numel()
         if n_run:
             # (ii) the RUN cohort: queries against the full K/V, then the MLP, scattered back
+            every = n_run == T  # every row RUNs (an epilogue policy's all-RUN layer): no gather, no scatter
             with _section("gather"):
-                normed_run = normed[:, run_idx]  # [1, n_run, H]
-                cos_run, sin_run = cos[:, run_idx], sin[:, run_idx]
-                mask = _rows_of_mask(attention_mask, run_idx, T, k_all.shape[2], normed.dtype, self.layer_idx)
-                h_in = hidden_states[0, run_idx]  # [n_run, H]
+                if every:
+                    normed_run, cos_run, sin_run, h_in = normed, cos, sin, hidden_states[0]
+                    mask = _rows_of_mask(attention_mask, run_idx, T, k_all.shape[2], normed.dtype, self.layer_idx,
+                                         every=True)
+                else:
+                    # index_select, not advanced indexing: the same rows, several times faster on CPU
+                    normed_run = normed.index_select(1, run_idx)  # [1, n_run, H]
+                    cos_run, sin_run = cos.index_select(1, run_idx), sin.index_select(1, run_idx)
+                    mask = _rows_of_mask(attention_mask, run_idx, T, k_all.shape[2], normed.dtype, self.layer_idx)
+                    h_in = hidden_states[0].index_select(0, run_idx)  # [n_run, H]
             with _section("q_proj"):
                 q = attn.q_proj(normed_run).view(1, n_run, -1, head_dim)
                 if hasattr(attn, "q_norm"):
                     q = attn.q_norm(q)
                 q = q.transpose(1, 2)  # [1, heads, n_run, d]
-                q = self._rope(q, q, cos_run, sin_run)[0]
+                q = self._rotary(q, cos_run, sin_run)
             with _section("attention"):
                 interface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, _eager_attention(attn))
                 extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
@@ -497,7 +506,7 @@ class RoutedDecoderLayer(nn.Module):
                 mlp_out = layer.mlp(layer.post_attention_layernorm(h_mid))
                 h = h_mid + mlp_out
             with _section("scatter"):
-                out = out.index_copy(0, run_idx, h.to(out.dtype))
+                out = h.to(out.dtype) if every else out.index_copy(0, run_idx, h.to(out.dtype))
             if not self.skipper.identity_run:
                 # the epilogue applies to routed RUN rows only: dense rows keep the unmodified output
                 sel = meta.routed_mask[run_idx].nonzero().squeeze(1)
@@ -510,9 +519,18 @@ class RoutedDecoderLayer(nn.Module):
             # (iii) Project-Only rows: no attention read, no MLP; the projector (identity: their rows of
             # ``out`` already hold their input, nothing to do)
             with _section("project"):
-                proj = self.skipper.project(self.layer_idx, hidden_states[0, po_idx], meta.select(po_idx))
+                proj = self.skipper.project(self.layer_idx, hidden_states[0].index_select(0, po_idx), meta.select(po_idx))
                 out = out.index_copy(0, po_idx, proj.to(out.dtype))
         return out.unsqueeze(0)
+
+    def _rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of one tensor ``x`` ``[1, heads, n, d]`` with ``cos`` / ``sin`` ``[1, n, d]``:
+        the model's own ``apply_rotary_pos_emb`` formula, ``x cos + rotate_half(x) sin``, applied to ``x``
+        alone (the library function rotates a query and a key together: calling it with one tensor twice
+        would do the work twice)."""
+        if self._rotate_half is None:
+            return self._rope(x, x, cos, sin)[0]
+        return (x * cos.unsqueeze(1)) + (self._rotate_half(x) * sin.unsqueeze(1))
 
     def _identity_project(self) -> bool:
         """True when Project-Only rows keep their hidden state: no projector plugged at this layer and
@@ -529,10 +547,11 @@ def _eager_attention(attn):
     return getattr(mod, "eager_attention_forward")
 
 
-def _rows_of_mask(attention_mask, run_idx, T, K, dtype, layer_idx):
+def _rows_of_mask(attention_mask, run_idx, T, K, dtype, layer_idx, every: bool = False):
     """The attention mask of the RUN rows: ``[1, h, n_run, K]``.
 
-    With a 4D mask (the engine's packed mask, or a prepared plain mask) its RUN rows are selected; with
+    With a 4D mask (the engine's packed mask, or a prepared plain mask) its RUN rows are selected (the
+    mask itself when ``every`` row RUNs: no copy); with
     None (plain causal attention over a cache of K - T past tokens and T new ones) a lower-right
     aligned causal additive mask is built for the RUN rows.
     """
@@ -548,7 +567,7 @@ def _rows_of_mask(attention_mask, run_idx, T, K, dtype, layer_idx):
         raise ValueError(
             f"routed layer {layer_idx}: expected a [1, h, {T}, K] attention mask, got {tuple(attention_mask.shape)}"
         )
-    return attention_mask[:, :, run_idx, :]
+    return attention_mask if every else attention_mask.index_select(2, run_idx)
 
 
 # -- installing ---------------------------------------------------------------------------------------

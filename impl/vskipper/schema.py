@@ -53,7 +53,8 @@ Keys (units in brackets):
 - ``bench`` (optional): settings of the per-step timing benchmark (rule ``vskipper_bench``), named as
   the ``vskipper-bench`` flags with underscores (``prefill_tokens``, ``decode_requests``, ``r``, ``d``,
   ``wide_hidden``, ...); a key left out takes the command's default
-  (:data:`impl.vskipper.commands.BENCH_DEFAULTS`), a flag given on the command line wins.
+  (:data:`impl.vskipper.commands.BENCH_DEFAULTS`), a flag given on the command line wins; and
+  ``models``: further keys of ``models`` timed too (all-RUN and RandomSkip arms only).
 - ``quality`` (optional; absent = no quality rule): the lm-eval 2x2 DiD of rule ``vskipper_quality``
   (Sec. 4.3, Table 5 left; :mod:`impl.quality`), one job per suite. ``tasks`` (required: suites among
   gsm8k, bbh, coqa; giving the list is what turns the rule on); the other keys default to
@@ -199,6 +200,9 @@ class Bench(Section):
     named as the ``vskipper-bench`` flags; a key left out takes the command's default
     (``impl.vskipper.commands.BENCH_DEFAULTS``), a flag wins over both."""
 
+    models: list[Name] = Field(default_factory=list, description="further models timed beside vskipper.model "
+                               "and the wide model (keys of 'models'; all-RUN and RandomSkip arms, no FlexiDepth "
+                               "or hybrid arms: those run on vskipper.model)")
     prefill_tokens: Annotated[list[PosInt], Field(min_length=1)] | SkipJsonSchema[None] = None
     prompt_len: PosInt | SkipJsonSchema[None] = None
     decode_requests: Annotated[list[PosInt], Field(min_length=1)] | SkipJsonSchema[None] = None
@@ -510,6 +514,14 @@ def target_config(cfg: dict[str, Any], *, model: str | None = None, device: str 
     return validate_config(out, check_paths=False)
 
 
+def _check_bench_models(cfg: dict[str, Any], v: dict[str, Any]) -> None:
+    for i, m in enumerate((v.get("bench") or {}).get("models") or []):
+        if m not in cfg["models"]:
+            raise _error(f"'vskipper.bench.models[{i}]' names '{m}', which is not a key of 'models'")
+        if m == v["model"]:
+            raise _error(f"'vskipper.bench.models[{i}]' = '{m}' is vskipper.model, which the benchmark always times")
+
+
 def _check_bench_serving(cfg: dict[str, Any], v: dict[str, Any]) -> None:
     b = (v.get("http") or {}).get("bench_serving") or {}
     if b.get("python") and not Path(b["python"]).is_file():
@@ -540,6 +552,7 @@ def check(cfg: dict[str, Any]) -> None:
     v = cfg["vskipper"]
     v.setdefault("load_points", dict(DEFAULT_LOAD_POINTS))
     _check_bench_serving(cfg, v)
+    _check_bench_models(cfg, v)
     if v.get("quality") is not None:
         _check_quality(cfg, v)
     if v["model"] not in cfg["models"]:

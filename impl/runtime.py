@@ -14,7 +14,7 @@ from .config import config_from_json, load_config
 from .provenance import provenance
 from .schema import core_config
 
-__all__ = ["config_from_args", "load_for", "run_provenance", "set_threads"]
+__all__ = ["config_from_args", "load_for", "pin_allocator", "run_provenance", "set_threads"]
 
 
 def config_from_args(args) -> dict[str, Any]:
@@ -40,6 +40,44 @@ def set_threads(cfg: dict[str, Any]) -> None:
     import torch
 
     torch.set_num_threads(core_config(cfg).threads)
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def pin_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 << 31) - 1) -> str:
+    """Fix glibc's malloc thresholds for a timing run, so a step's time does not depend on what the
+    steps before it allocated.
+
+    By default glibc raises its mmap threshold to the largest block freed so far and returns heap top
+    to the kernel above a trim threshold that follows it: after a step that allocated other sizes (a
+    routed arm's gathered rows) the next step gets fresh pages and pays their page faults. On this
+    2-core VM that made the routed all-RUN arm of the wide model's 128-request decode cell 0.935x
+    upstream in one run and 1.056x in another; with the thresholds fixed, 0.993-1.002 in three runs
+    (``python -m impl vskipper-bench --wide``, issue 14). Setting either parameter also turns glibc's
+    dynamic adjustment off (``mallopt(3)``).
+
+    Args:
+        mmap_threshold: bytes; blocks at least this large are mmapped (default 1 GiB: every tensor of a
+            step stays in the heap).
+        trim_threshold: bytes of free heap top kept before it is returned to the kernel.
+
+    Returns:
+        ``"pinned mmap=<bytes> trim=<bytes>"``, or ``"default (no glibc mallopt)"`` where the C library
+        has no ``mallopt`` (macOS, musl): the rows record which.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "default (no glibc mallopt)"
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1 and mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)) == 1
+    return f"pinned mmap={int(mmap_threshold)} trim={int(trim_threshold)}" if ok else "default (mallopt refused)"
 
 
 def run_provenance(cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:

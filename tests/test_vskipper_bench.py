@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import math
 import re
 
@@ -178,6 +179,8 @@ def test_command_runs_tiny(tmp_path, monkeypatch):
     assert {r["arm"] for r in rows} == {"upstream", "all_run", "random_r0.5_d0.5", "hybrid_random_r0.5_d0.5"}
     s = json.loads(summ.read_text())
     assert s["label"] == "wide" and s["targets"]["all_run"] in ("PASS", "FAIL")
+    if sys.platform == "linux":  # glibc: the timing run fixed malloc's thresholds, and the rows say so
+        assert s["allocator"].startswith("pinned mmap=") and all(r["allocator"] == s["allocator"] for r in rows)
     assert {"all_run", "prefill_flop", "hybrid_dense"} <= set(s["targets"])
     dfs = bench_tables([summ], tmp_path / "tables")
     assert len(dfs["vskipper_bench"]) == len(rows) and len(dfs["vskipper_bench_targets"]) == 1
@@ -205,3 +208,24 @@ def test_bench_models_config_check_names_the_key():
     with pytest.raises(ConfigError, match=rf"'vskipper.bench.models\[0\]' = '{re.escape(own)}' is vskipper.model"):
         check([own])
     assert check(["smollm2"])["vskipper"]["bench"]["models"] == ["smollm2"]
+
+
+def test_pin_allocator_fixes_glibc_thresholds():
+    import subprocess
+
+    from impl.runtime import pin_allocator
+
+    if sys.platform != "linux":
+        assert pin_allocator().startswith("default")
+        return
+    assert pin_allocator(mmap_threshold=1 << 20, trim_threshold=1 << 21) == "pinned mmap=1048576 trim=2097152"
+    # the effect, in a fresh process: a 64 MiB block is mmapped by default (mallinfo2's hblkhd), from
+    # the heap once pinned
+    code = "\n".join([
+        "import ctypes, sys", "sys.path.insert(0, '.')", "from impl.runtime import pin_allocator",
+        "class Info(ctypes.Structure): _fields_ = [('f%d' % i, ctypes.c_size_t) for i in range(10)]",
+        "libc = ctypes.CDLL('libc.so.6')", "libc.malloc.restype = ctypes.c_void_p", "libc.mallinfo2.restype = Info",
+        "{pin}", "p = libc.malloc(64 << 20)", "print(libc.mallinfo2().f4)"])
+    mmapped = [int(subprocess.run([sys.executable, "-c", code.format(pin=pin)], capture_output=True, text=True,
+                                  check=True).stdout) for pin in ("pass", "pin_allocator()")]
+    assert mmapped[0] >= 64 << 20 and mmapped[1] < 64 << 20, mmapped

@@ -52,7 +52,7 @@ def cmd_vskipper_bench(args) -> None:
     """Run the step benchmark on one model and write rows + summary."""
     import torch
 
-    from impl.runtime import config_from_args, load_for, run_provenance, set_threads
+    from impl.runtime import config_from_args, load_for, pin_allocator, run_provenance, set_threads
     from impl.provenance import write_json, write_jsonl
     from impl.schema import core_config
 
@@ -61,6 +61,7 @@ def cmd_vskipper_bench(args) -> None:
     cfg = config_from_args(args)
     core = core_config(cfg)
     set_threads(cfg)
+    allocator = pin_allocator()
     s = _settings(args, cfg)
     if bool(args.wide) == bool(args.model_dir):
         raise SystemExit("error: pass exactly one of --model-dir DIR or --wide")
@@ -95,7 +96,7 @@ def cmd_vskipper_bench(args) -> None:
     for n in s["profile_requests"]:
         prof += decode_profile(model, requests=int(n), context=int(s["decode_context"]), routed_layers=routed_layers,
                                steps=int(s["profile_steps"]), seed=core.seed, label=label)
-    prov = run_provenance(cfg)
+    prov = run_provenance(cfg, allocator=allocator)
     write_jsonl(args.out, [dict(r, **prov) for r in rows])
     targets = check_targets(rows)
     table = [{k: r.get(k) for k in ("cell", "arm", "kind", "r", "d", "skip_share", "t_step_s", "measured_ratio",
@@ -123,7 +124,7 @@ def cmd_vskipper_prefill_profile(args) -> None:
     import torch
 
     from impl.provenance import write_json
-    from impl.runtime import config_from_args, load_for, run_provenance, set_threads
+    from impl.runtime import config_from_args, load_for, pin_allocator, run_provenance, set_threads
     from impl.schema import core_config
 
     from .bench import WIDE_ARCH, prefill_profile, wide_model
@@ -131,6 +132,7 @@ def cmd_vskipper_prefill_profile(args) -> None:
     cfg = config_from_args(args)
     core = core_config(cfg)
     set_threads(cfg)
+    allocator = pin_allocator()
     if bool(args.wide) == bool(args.model_dir):
         raise SystemExit("error: pass exactly one of --model-dir DIR or --wide")
     if len(args.r) != len(args.d):
@@ -146,7 +148,7 @@ def cmd_vskipper_prefill_profile(args) -> None:
         label = args.label or str(args.model_dir).rstrip("/").split("/")[-1]
     rows = prefill_profile(model, tokens=args.tokens, prompt_len=args.prompt_len, arms=list(zip(args.r, args.d)),
                            steps=args.steps, seed=core.seed, label=label)
-    write_json(args.out, {"rows": rows, **run_provenance(cfg)})
+    write_json(args.out, {"rows": rows, **run_provenance(cfg, allocator=allocator)})
     cats = sorted({k for r in rows for k in r["ops_ms"]})
     print(f"{'arm':18s} {'wall ms':>8s} {'ratio':>6s} {'pred':>6s} " + " ".join(f"{c:>14s}" for c in cats))
     for r in rows:

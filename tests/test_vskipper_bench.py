@@ -229,3 +229,26 @@ def test_pin_allocator_fixes_glibc_thresholds():
     mmapped = [int(subprocess.run([sys.executable, "-c", code.format(pin=pin)], capture_output=True, text=True,
                                   check=True).stdout) for pin in ("pass", "pin_allocator()")]
     assert mmapped[0] >= 64 << 20 and mmapped[1] < 64 << 20, mmapped
+
+
+def test_target_verdicts_say_what_the_intervals_resolve():
+    def row(arm, kind, meas, ci, phase="decode", pred=1.0, **kw):
+        return dict(arm=arm, kind=kind, measured_ratio=meas, ratio_ci95=ci, phase=phase, flop_pred_ratio=pred,
+                    abs_gap=abs(meas - pred), T=2048, r=0.5 if kind == "routed" else None, **kw)
+
+    ok = [row("all_run", "all_run", 1.01, [1.00, 1.015]),
+          row("random", "routed", 0.90, [0.88, 0.92], phase="prefill", pred=0.89)]
+    t = check_targets(ok)
+    assert (t["all_run"], t["all_run_ci"], t["prefill_flop"], t["prefill_flop_ci"]) == ("PASS", "within", "PASS", "within")
+    # a median inside the band with an interval across its edge: PASS, unresolved
+    t = check_targets([row("all_run", "all_run", 1.01, [0.98, 1.04])])
+    assert (t["all_run"], t["all_run_ci"]) == ("PASS", "unresolved")
+    # an interval wholly past the band on either side of the prediction: FAIL, outside
+    t = check_targets([row("all_run", "all_run", 1.05, [1.03, 1.07]),
+                       row("random", "routed", 0.70, [0.66, 0.74], phase="prefill", pred=0.89)])
+    assert (t["all_run"], t["all_run_ci"], t["prefill_flop"], t["prefill_flop_ci"]) == ("FAIL", "outside", "FAIL", "outside")
+    t = check_targets([row("random", "routed", 0.95, [0.945, 0.96], phase="prefill", pred=0.89)])
+    assert (t["prefill_flop"], t["prefill_flop_ci"]) == ("FAIL", "outside")
+    # a row without an interval never counts as resolved; no hybrid kept dense: NA
+    t = check_targets([row("all_run", "all_run", 1.0, None)])
+    assert t["all_run_ci"] == "unresolved" and t["hybrid_dense"] == "NA" and t["hybrid_dense_ci"] is None

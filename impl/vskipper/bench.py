@@ -659,7 +659,8 @@ def prefill_profile(model, *, tokens: int = 2048, prompt_len: int = 256, routed_
 # ----------------------------------------------------------------------------------------------------
 def check_targets(rows: Sequence[dict], *, all_run_tol: float = 0.02, prefill_gap: float = 0.05,
                   hybrid_tol: float = 0.02, min_prefill_tokens: int = 2048) -> dict:
-    """The issue's targets over the rows of one model, as PASS / FAIL fields.
+    """The issue's targets over the rows of one model, as PASS / FAIL fields, each with what the rows'
+    95% intervals (``ratio_ci95``) resolve.
 
     - ``all_run``: every cell's ``all_run`` measured ratio <= 1 + ``all_run_tol``;
     - ``prefill_flop``: in every prefill cell with >= ``min_prefill_tokens`` rows, every RandomSkip arm's
@@ -668,22 +669,48 @@ def check_targets(rows: Sequence[dict], *, all_run_tol: float = 0.02, prefill_ga
       <= 1 + ``hybrid_tol`` (NA when the switch routed every hybrid arm).
 
     Returns:
-        dict with ``<target>`` ("PASS" / "FAIL" / "NA"), ``<target>_worst`` (the worst value) and
-        ``<target>_n`` (how many rows were checked).
+        dict with ``<target>`` ("PASS" / "FAIL" / "NA", from the medians), ``<target>_worst`` (the worst
+        value), ``<target>_n`` (how many rows were checked) and ``<target>_ci``: "within" when every row's
+        interval lies inside the tolerance, "outside" when some row's interval lies wholly outside it,
+        "unresolved" otherwise (or when a row has no interval), None for NA.
     """
     out: dict = {}
 
-    def verdict(name, vals, ok):
+    def verdict(name, sel, value, lo_hi, ok):
+        vals = [value(r) for r in sel]
         out[f"{name}_n"] = len(vals)
         out[f"{name}_worst"] = max(vals) if vals else None
         out[name] = "NA" if not vals else ("PASS" if ok(max(vals)) else "FAIL")
+        if not vals:
+            out[f"{name}_ci"] = None
+            return
+        bounds = [lo_hi(r) if r.get("ratio_ci95") else None for r in sel]
+        if any(b is not None and b[0] > 0 for b in bounds):  # wholly outside the tolerance band
+            out[f"{name}_ci"] = "outside"
+        elif all(b is not None and b[1] <= 0 for b in bounds):
+            out[f"{name}_ci"] = "within"
+        else:
+            out[f"{name}_ci"] = "unresolved"
 
-    verdict("all_run", [r["measured_ratio"] - 1 for r in rows if r["arm"] == "all_run"], lambda w: w <= all_run_tol)
-    verdict("prefill_flop", [r["abs_gap"] for r in rows if r["phase"] == "prefill" and r["kind"] == "routed"
-                             and r.get("r") is not None and r["T"] >= min_prefill_tokens],
-            lambda w: w <= prefill_gap)
-    verdict("hybrid_dense", [r["measured_ratio"] - 1 for r in rows if r["kind"] == "hybrid" and not r["hybrid_routed"]],
-            lambda w: w <= hybrid_tol)
+    def ci(r):
+        return r["ratio_ci95"]
+
+    # each lo_hi maps a row's interval to (distance past the tolerance at its nearest end, at its farthest end)
+    all_run = [r for r in rows if r["arm"] == "all_run"]
+    verdict("all_run", all_run, lambda r: r["measured_ratio"] - 1,
+            lambda r: (ci(r)[0] - 1 - all_run_tol, ci(r)[1] - 1 - all_run_tol), lambda w: w <= all_run_tol)
+    pre = [r for r in rows if r["phase"] == "prefill" and r["kind"] == "routed" and r.get("r") is not None
+           and r["T"] >= min_prefill_tokens]
+
+    def gap_bounds(r):
+        lo, hi = ci(r)[0] - r["flop_pred_ratio"], ci(r)[1] - r["flop_pred_ratio"]
+        near = max(lo - prefill_gap, -prefill_gap - hi)  # > 0: the whole interval is past one side
+        return near, max(abs(lo), abs(hi)) - prefill_gap
+
+    verdict("prefill_flop", pre, lambda r: r["abs_gap"], gap_bounds, lambda w: w <= prefill_gap)
+    dense = [r for r in rows if r["kind"] == "hybrid" and not r["hybrid_routed"]]
+    verdict("hybrid_dense", dense, lambda r: r["measured_ratio"] - 1,
+            lambda r: (ci(r)[0] - 1 - hybrid_tol, ci(r)[1] - 1 - hybrid_tol), lambda w: w <= hybrid_tol)
     out["targets"] = dict(all_run_tol=all_run_tol, prefill_gap=prefill_gap, hybrid_tol=hybrid_tol,
                           min_prefill_tokens=min_prefill_tokens)
     return out

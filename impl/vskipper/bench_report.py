@@ -42,9 +42,10 @@ def bench_tables(summaries: Iterable[str | os.PathLike], out_dir: str | os.PathL
                            "ratio_ci_lo": ci[0], "ratio_ci_hi": ci[1],
                            **{k: r.get(k) for k in ("flop_pred_ratio", "abs_gap", "hybrid_routed")}})
         t = s["targets"]
-        targets.append({"model": lab, "threads": s.get("threads"),
-                        **{k: t.get(k) for k in ("all_run", "all_run_worst", "prefill_flop", "prefill_flop_worst",
-                                                 "hybrid_dense", "hybrid_dense_worst", "hybrid_dense_n")}})
+        targets.append({"model": lab, "threads": s.get("threads"), "allocator": s.get("allocator"),
+                        "repeats": s.get("settings", {}).get("repeats"),
+                        **{f"{k}{x}": t.get(f"{k}{x}") for k in ("all_run", "prefill_flop", "hybrid_dense")
+                           for x in ("", "_worst", "_ci", "_n")}})
         for p in s.get("decode_profile", []):
             prof.append({"model": lab, "cell": p["cell"], "arm": p["arm"], "total_ms": 1e3 * p["total_s"],
                          **{f"{k}_%": 100 * v for k, v in p["shares"].items()}})
@@ -80,11 +81,16 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
             def w(k):
                 v = t.get(f"{k}_worst")
                 return "-" if v is None or pd.isna(v) else f"{v:+.3f}" if k != "prefill_flop" else f"{v:.3f}"
-            lines.append(f"- **{t['model']}**: all-RUN <= 2% over upstream: **{t['all_run']}** (worst {w('all_run')}); "
-                         f"prefill RandomSkip |measured - FLOP| <= 0.05: **{t['prefill_flop']}** (worst "
-                         f"{w('prefill_flop')}); hybrid within 2% where the switch keeps it dense: "
-                         f"**{t['hybrid_dense']}** (worst {w('hybrid_dense')})")
-        lines.append("")
+            def ci(k):
+                v = t.get(f"{k}_ci")
+                return "" if v is None or (isinstance(v, float) and pd.isna(v)) else f", intervals: {v}"
+            lines.append(f"- **{t['model']}**: all-RUN <= 2% over upstream: **{t['all_run']}** (worst {w('all_run')}"
+                         f"{ci('all_run')}); prefill RandomSkip |measured - FLOP| <= 0.05: **{t['prefill_flop']}** "
+                         f"(worst {w('prefill_flop')}{ci('prefill_flop')}); hybrid within 2% where the switch keeps "
+                         f"it dense: **{t['hybrid_dense']}** (worst {w('hybrid_dense')}{ci('hybrid_dense')})")
+        lines += ["", "Verdicts from the medians; \"intervals\" says what the rows' 95% intervals resolve: "
+                  "*within* (every interval inside the tolerance), *outside* (one wholly outside), *unresolved* "
+                  "(the noise of this shared VM is wider than the tolerance at these repeats).", ""]
     if len(ratios):
         keep = ratios[~ratios.arm.isin(["upstream"])]
         piv = keep.pivot_table(index=["model", "arm"], columns="cell", values=["measured_ratio", "flop_pred_ratio"],

@@ -252,3 +252,26 @@ def test_target_verdicts_say_what_the_intervals_resolve():
     # a row without an interval never counts as resolved; no hybrid kept dense: NA
     t = check_targets([row("all_run", "all_run", 1.0, None)])
     assert t["all_run_ci"] == "unresolved" and t["hybrid_dense"] == "NA" and t["hybrid_dense_ci"] is None
+
+
+def test_cell_budget_adds_rounds_until_spent(monkeypatch):
+    """Each fake step takes 1 s; 3 arms (upstream, all_run, one RandomSkip) -> 4 timed steps per round:
+    a 10 s budget after 2 rounds gives 3 rounds (8 s < 10 s after 2), capped by max_repeats."""
+    import types
+
+    import impl.vskipper.bench as bench
+
+    clock = {"t": 0.0}
+
+    def fake_step(model, cell, ctx, planner=None):
+        clock["t"] += 1.0
+
+    monkeypatch.setattr(bench, "_run_step", fake_step)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    m = _tiny()
+    cell = [dict(phase="decode", requests=4, context=8)]
+    for budget, cap, want in ((0.0, 50, 2), (10.0, 50, 3), (100.0, 4, 4)):
+        rows = step_benchmark(m, cell, grid=[(0.5, 0.5)], hybrid=False, repeats=2, warmup=1, cell_budget_s=budget,
+                              max_repeats=cap, label="t")
+        assert {r["repeats"] for r in rows} == {want}, (budget, cap)
+        assert all(len(r["paired_ratios"]) == want for r in rows if r["kind"] != "upstream")

@@ -282,6 +282,8 @@ def step_benchmark(
     profile_kw: dict | None = None,
     repeats: int = 5,
     warmup: int = 1,
+    cell_budget_s: float = 0.0,
+    max_repeats: int = 50,
     seed: int = 0,
     label: str = "",
     log: Callable[[str], None] | None = None,
@@ -302,6 +304,9 @@ def step_benchmark(
             thresholds from; default: profile here with ``profile_kw``.
         repeats, warmup: timed rounds (median) and untimed warm-up rounds (the first, which records the
             shares, always runs); rounds are paired (module docstring).
+        cell_budget_s: seconds of timed steps per cell: after ``repeats`` rounds, rounds go on until the
+            cell's timed steps add up to this (short decode steps get many rounds, a long prefill step
+            ``repeats``), at most ``max_repeats`` rounds; 0: exactly ``repeats``.
         seed: seed of the inputs and of the default RandomSkip.
         label: copied into every row (e.g. the model's name).
         log: optional progress callback.
@@ -400,10 +405,14 @@ def step_benchmark(
                     _run_step(model, cell, arm.ctx, arm.planner)
                     return time.perf_counter() - t0
 
-            for rnd in range(extra_warmup + max(1, repeats)):
+            spent, n_rounds = 0.0, 0
+            for rnd in range(extra_warmup + max(1, repeats, int(max_repeats))):
+                if rnd >= extra_warmup + max(1, repeats) and spent >= cell_budget_s:
+                    break
                 perm = torch.randperm(len(others), generator=order_gen).tolist()
                 t_prev = timed(up_arm)
                 keep = rnd >= extra_warmup
+                n_rounds += keep
                 if keep:
                     times[up_arm.name].append(t_prev)
                 for j in perm:
@@ -411,6 +420,7 @@ def step_benchmark(
                     dt = timed(arm)
                     t_next = timed(up_arm)
                     if keep:
+                        spent += dt + t_next
                         times[arm.name].append(dt)
                         times[up_arm.name].append(t_next)
                         paired[arm.name].append(dt / (0.5 * (t_prev + t_next)))
@@ -429,7 +439,7 @@ def step_benchmark(
                            paired_ratios=ratios if arm.kind != "upstream" else [],
                            ratio_ci95=_mean_ci(ratios) if arm.kind != "upstream" else None,
                            skip_share=sh["share"], routed_rows_share=sh["routed_rows"], n_po=sh["n_po"],
-                           flop_pred_ratio=pred, abs_gap=abs(meas - pred), repeats=int(repeats),
+                           flop_pred_ratio=pred, abs_gap=abs(meas - pred), repeats=n_rounds,
                            threads=torch.get_num_threads())
                 if arm.kind == "hybrid":
                     row.update(hybrid_routed=sh["routed_rows"] > 0, base=arm.info["base"],

@@ -209,6 +209,8 @@ class Bench(Section):
     decode_context: PosInt | SkipJsonSchema[None] = None
     repeats: PosInt | SkipJsonSchema[None] = None
     warmup: NonNegInt | SkipJsonSchema[None] = None
+    cell_budget_s: NonNegNum | SkipJsonSchema[None] = None
+    max_repeats: PosInt | SkipJsonSchema[None] = None
     r: Annotated[list[Fraction], Field(min_length=1, json_schema_extra=_UNIQUE)] | SkipJsonSchema[None] = None
     d: Annotated[list[Fraction], Field(min_length=1, json_schema_extra=_UNIQUE)] | SkipJsonSchema[None] = None
     hybrid: bool | SkipJsonSchema[None] = None

@@ -52,7 +52,7 @@ def test_step_benchmark_rows_and_shares():
     prof = dict(prefill_tokens=(64, 128), prefill_prompt_len=64, decode_requests=(4, 8), decode_context=8,
                 repeats=1, warmup=0)
     rows = step_benchmark(m, cells, grid=grid, repeats=1, warmup=0, profile_kw=prof, label="t")
-    n_arms = 2 + 2 * len(grid)
+    n_arms = 3 + 2 * len(grid)  # upstream, the A/A control, all_run, RandomSkip and hybrid per (r, d)
     assert len(rows) == 2 * n_arms
     assert {r["arm"] for r in rows} >= {"upstream", "all_run", "random_r0.5_d0.5", "hybrid_random_r0.5_d0.5"}
     for r in rows:
@@ -74,6 +74,8 @@ def test_step_benchmark_rows_and_shares():
             assert r["skip_share"] == 0 and r["flop_pred_ratio"] == 1
         if r["arm"] == "upstream":
             assert r["measured_ratio"] == 1 and r["n_po"] == 0
+        if r["arm"] == "upstream_aa":
+            assert r["kind"] == "control" and r["n_po"] == 0 and r["flop_pred_ratio"] == 1
         if r["kind"] == "hybrid":
             assert isinstance(r["hybrid_routed"], bool)
             if not r["hybrid_routed"]:
@@ -103,7 +105,7 @@ def test_paired_rounds_cancel_drift(monkeypatch):
     m = _tiny()
     rows = step_benchmark(m, [dict(phase="decode", requests=4, context=8)], grid=[(0.5, 0.5), (0.25, 0.5)],
                           hybrid=False, repeats=4, warmup=1, label="t")
-    assert [r["arm"] for r in rows] == ["upstream", "all_run", "random_r0.5_d0.5", "random_r0.25_d0.5"]
+    assert [r["arm"] for r in rows] == ["upstream", "upstream_aa", "all_run", "random_r0.5_d0.5", "random_r0.25_d0.5"]
     for r in rows[1:]:
         assert len(r["paired_ratios"]) == 4
         assert r["measured_ratio"] == pytest.approx(1.0, abs=1e-9)
@@ -176,7 +178,8 @@ def test_command_runs_tiny(tmp_path, monkeypatch):
                          "--profile-requests", "4", "--out", str(out), "--summary", str(summ)])
     args.fn(args)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert {r["arm"] for r in rows} == {"upstream", "all_run", "random_r0.5_d0.5", "hybrid_random_r0.5_d0.5"}
+    assert {r["arm"] for r in rows} == {"upstream", "upstream_aa", "all_run", "random_r0.5_d0.5",
+                                        "hybrid_random_r0.5_d0.5"}
     s = json.loads(summ.read_text())
     assert s["label"] == "wide" and s["targets"]["all_run"] in ("PASS", "FAIL")
     if sys.platform == "linux":  # glibc: the timing run fixed malloc's thresholds, and the rows say so
@@ -255,8 +258,9 @@ def test_target_verdicts_say_what_the_intervals_resolve():
 
 
 def test_cell_budget_adds_rounds_until_spent(monkeypatch):
-    """Each fake step takes 1 s; 3 arms (upstream, all_run, one RandomSkip) -> 4 timed steps per round:
-    a 10 s budget after 2 rounds gives 3 rounds (8 s < 10 s after 2), capped by max_repeats."""
+    """Each fake step takes 1 s; 4 arms (upstream, A/A control, all_run, one RandomSkip) -> 6 counted
+    steps per round: a 15 s budget after 2 rounds gives 3 rounds (12 s < 15 s after 2), capped by
+    max_repeats."""
     import types
 
     import impl.vskipper.bench as bench
@@ -270,7 +274,7 @@ def test_cell_budget_adds_rounds_until_spent(monkeypatch):
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
     m = _tiny()
     cell = [dict(phase="decode", requests=4, context=8)]
-    for budget, cap, want in ((0.0, 50, 2), (10.0, 50, 3), (100.0, 4, 4)):
+    for budget, cap, want in ((0.0, 50, 2), (15.0, 50, 3), (100.0, 4, 4)):
         rows = step_benchmark(m, cell, grid=[(0.5, 0.5)], hybrid=False, repeats=2, warmup=1, cell_budget_s=budget,
                               max_repeats=cap, label="t")
         assert {r["repeats"] for r in rows} == {want}, (budget, cap)

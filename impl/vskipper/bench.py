@@ -15,6 +15,8 @@ Arms, timed in rounds (each round a fresh seeded order of the arms, an ``upstrea
 first arm and after every arm), per arm the median over rounds of its paired ratio:
 
 - ``upstream``: the unmodified decoder layers (no wrapper, no router);
+- ``upstream_aa``: the same unmodified layers timed as an arm (an A/A control): its ratio is what the
+  design measures for no change at all, so it shows the noise and any bias of the pairing itself;
 - ``all_run``: routed layers installed with a policy under which every row RUNs (RandomSkip r = 0: the
   router runs, then the all-RUN fast path calls the original layer);
 - ``random_r{r}_d{d}``: RandomSkip at each (r, d) of the grid (routed path, every row routed);
@@ -336,7 +338,7 @@ def step_benchmark(
         profile = profile_routed_cost(model, prof_sk, seed=seed, **pk)
 
     orig = list(model.model.layers)
-    arms: list[_Arm] = [_Arm("upstream", "upstream", orig)]
+    arms: list[_Arm] = [_Arm("upstream", "upstream", orig), _Arm("upstream_aa", "control", orig)]
     ctx0 = RowContext(record_stats=False)
     arms.append(_Arm("all_run", "all_run", _wrap(orig, factory(layers, 0.0, 0.0), ctx0), ctx0, r=0.0, d=0.0,
                      policy_share=0.0))
@@ -682,7 +684,8 @@ def check_targets(rows: Sequence[dict], *, all_run_tol: float = 0.02, prefill_ga
         dict with ``<target>`` ("PASS" / "FAIL" / "NA", from the medians), ``<target>_worst`` (the worst
         value), ``<target>_n`` (how many rows were checked) and ``<target>_ci``: "within" when every row's
         interval lies inside the tolerance, "outside" when some row's interval lies wholly outside it,
-        "unresolved" otherwise (or when a row has no interval), None for NA.
+        "unresolved" otherwise (or when a row has no interval), None for NA; ``aa_control_worst``: the
+        A/A control's ratio - 1 farthest from 0 (what "no change" measured), ``aa_control_n``.
     """
     out: dict = {}
 
@@ -721,6 +724,9 @@ def check_targets(rows: Sequence[dict], *, all_run_tol: float = 0.02, prefill_ga
     dense = [r for r in rows if r["kind"] == "hybrid" and not r["hybrid_routed"]]
     verdict("hybrid_dense", dense, lambda r: r["measured_ratio"] - 1,
             lambda r: (ci(r)[0] - 1 - hybrid_tol, ci(r)[1] - 1 - hybrid_tol), lambda w: w <= hybrid_tol)
+    aa = [r for r in rows if r["kind"] == "control"]  # the A/A control: no verdict, its worst ratio
+    out["aa_control_n"] = len(aa)
+    out["aa_control_worst"] = max((r["measured_ratio"] - 1 for r in aa), key=abs, default=None)
     out["targets"] = dict(all_run_tol=all_run_tol, prefill_gap=prefill_gap, hybrid_tol=hybrid_tol,
                           min_prefill_tokens=min_prefill_tokens)
     return out

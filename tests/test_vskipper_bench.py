@@ -72,6 +72,7 @@ def test_step_benchmark_rows_and_shares():
             assert r["flop_pred_ratio"] < 1
         if r["arm"] == "all_run":
             assert r["skip_share"] == 0 and r["flop_pred_ratio"] == 1
+            assert 0 <= r["route_bookkeeping_s"] and 0 <= r["route_bookkeeping_share"] < 0.5, r
         if r["arm"] == "upstream":
             assert r["measured_ratio"] == 1 and r["n_po"] == 0
         if r["arm"] == "upstream_aa":
@@ -279,3 +280,29 @@ def test_cell_budget_adds_rounds_until_spent(monkeypatch):
                               max_repeats=cap, label="t")
         assert {r["repeats"] for r in rows} == {want}, (budget, cap)
         assert all(len(r["paired_ratios"]) == want for r in rows if r["kind"] != "upstream")
+
+
+def test_route_bookkeeping_measures_what_the_wrappers_add():
+    """A policy whose route tape takes 20 ms: the wrappers' bookkeeping per step is at least that, and
+    the layers' own time is not counted (the plain all-RUN tape costs far less)."""
+    import time as _time
+
+    from impl.vskipper.bench import _wrap, make_cell, route_bookkeeping
+    from impl.vskipper.random_skip import RandomSkip
+    from impl.vskipper.routed import RowContext
+
+    class SlowTape(RandomSkip):
+        def route_tape(self, meta):
+            _time.sleep(0.02)
+            return super().route_tape(meta)
+
+    m = _tiny()
+    orig = list(m.model.layers)
+    cell = make_cell(m, "decode", requests=4, context=8)
+    ctx = RowContext(record_stats=False)
+    fast = route_bookkeeping(m, cell, _wrap(orig, RandomSkip([2, 3], r=0.0, d=0.0), ctx), ctx, steps=3)
+    ctx2 = RowContext(record_stats=False)
+    slow = route_bookkeeping(m, cell, _wrap(orig, SlowTape([2, 3], r=0.0, d=0.0), ctx2), ctx2, steps=3)
+    assert 0 <= fast < 0.01 and slow >= 0.02 and slow - fast < 0.03, (fast, slow)
+    assert route_bookkeeping(m, cell, orig, ctx, steps=1) == 0.0  # no routed layer
+    assert not any(type(x).__name__ == "RoutedDecoderLayer" for x in m.model.layers)

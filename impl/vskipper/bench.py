@@ -252,6 +252,58 @@ def _layers_of(model, layers: Sequence):
             ml[i] = m
 
 
+@torch.no_grad()
+def route_bookkeeping(model, cell: _Cell, layers: Sequence, ctx: RowContext, *, steps: int = 10) -> float:
+    """Seconds per step the routed wrappers add around the layers they wrap (the routing bookkeeping of
+    an arm: row checks, the route tape, cohort gathers and scatters), measured with forward hooks:
+    the sum over routed layers of (wrapper span - wrapped layer span), median over ``steps`` steps.
+
+    Unlike the step ratio, this does not difference two noisy step times: on the all-RUN arm it is the
+    overhead the all-RUN target bounds (vSkipper Sec. 3.1: an all-RUN layer takes the dense path), to
+    within the hooks' own few microseconds per layer.
+
+    Args:
+        cell: the step's inputs (:func:`make_cell`).
+        layers: the arm's layer list (its :class:`RoutedDecoderLayer` entries are measured).
+        ctx: the arm's :class:`RowContext`.
+
+    Returns:
+        seconds per step (0.0 when the arm has no routed layer).
+    """
+    wrappers = [m for m in layers if isinstance(m, RoutedDecoderLayer)]
+    if not wrappers:
+        return 0.0
+    acc = {"outer": 0.0, "inner": 0.0}
+    handles = []
+
+    def span(mod, key):
+        def pre(m, args, kwargs):
+            m._bench_t0 = time.perf_counter()
+
+        def post(m, args, kwargs, out):
+            acc[key] += time.perf_counter() - m._bench_t0
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+
+    for w in wrappers:
+        span(w, "outer")
+        span(w.layer, "inner")
+    per_step = []
+    try:
+        with _layers_of(model, layers):
+            for _ in range(max(1, steps)):
+                acc["outer"] = acc["inner"] = 0.0
+                _run_step(model, cell, ctx)
+                per_step.append(acc["outer"] - acc["inner"])
+    finally:
+        for h in handles:
+            h.remove()
+        for w in wrappers:
+            for m in (w, w.layer):
+                m.__dict__.pop("_bench_t0", None)
+    return statistics.median(per_step)
+
+
 def _mean_ci(xs: Sequence[float], level: float = 0.95) -> list[float] | None:
     """Student-t interval of the mean of ``xs`` (None with fewer than two values)."""
     if len(xs) < 2:
@@ -320,7 +372,9 @@ def step_benchmark(
         ``ratio_ci95``, ``skip_share`` (realised Project-Only
         share over routed (row, routed layer) pairs; NaN when none was routed), ``routed_rows_share``,
         ``n_po`` (Project-Only (row, layer) pairs per step), ``flop_pred_ratio``, ``abs_gap``
-        (|measured - predicted|), ``hybrid_routed`` (hybrid arms), ``policy_share`` (expected share).
+        (|measured - predicted|), ``hybrid_routed`` (hybrid arms), ``policy_share`` (expected share);
+        the ``all_run`` rows also ``route_bookkeeping_s`` / ``route_bookkeeping_share`` (what the
+        wrappers add per step, :func:`route_bookkeeping`, and its share of the upstream step).
     """
     say = log or (lambda s: None)
     L = int(arch_of(model)["L"])
@@ -428,6 +482,8 @@ def step_benchmark(
                         paired[arm.name].append(dt / (0.5 * (t_prev + t_next)))
                     t_prev = t_next
             t_up = statistics.median(times["upstream"])
+            bookkeeping = {arm.name: route_bookkeeping(model, cell, arm.layers, arm.ctx) for arm in arms
+                           if arm.kind == "all_run"}
             for arm in arms:
                 t = statistics.median(times[arm.name])
                 sh = shares[arm.name]
@@ -443,6 +499,9 @@ def step_benchmark(
                            skip_share=sh["share"], routed_rows_share=sh["routed_rows"], n_po=sh["n_po"],
                            flop_pred_ratio=pred, abs_gap=abs(meas - pred), repeats=n_rounds,
                            threads=torch.get_num_threads())
+                if arm.name in bookkeeping:
+                    row.update(route_bookkeeping_s=bookkeeping[arm.name],
+                               route_bookkeeping_share=bookkeeping[arm.name] / t_up)
                 if arm.kind == "hybrid":
                     row.update(hybrid_routed=sh["routed_rows"] > 0, base=arm.info["base"],
                                thresholds=arm.info["thresholds"])
@@ -685,7 +744,8 @@ def check_targets(rows: Sequence[dict], *, all_run_tol: float = 0.02, prefill_ga
         value), ``<target>_n`` (how many rows were checked) and ``<target>_ci``: "within" when every row's
         interval lies inside the tolerance, "outside" when some row's interval lies wholly outside it,
         "unresolved" otherwise (or when a row has no interval), None for NA; ``aa_control_worst``: the
-        A/A control's ratio - 1 farthest from 0 (what "no change" measured), ``aa_control_n``.
+        A/A control's ratio - 1 farthest from 0 (what "no change" measured), ``aa_control_n``;
+        ``all_run_bookkeeping_worst``: the all-RUN arm's largest routing-bookkeeping share of a step.
     """
     out: dict = {}
 
@@ -724,6 +784,8 @@ def check_targets(rows: Sequence[dict], *, all_run_tol: float = 0.02, prefill_ga
     dense = [r for r in rows if r["kind"] == "hybrid" and not r["hybrid_routed"]]
     verdict("hybrid_dense", dense, lambda r: r["measured_ratio"] - 1,
             lambda r: (ci(r)[0] - 1 - hybrid_tol, ci(r)[1] - 1 - hybrid_tol), lambda w: w <= hybrid_tol)
+    book = [r["route_bookkeeping_share"] for r in all_run if r.get("route_bookkeeping_share") is not None]
+    out["all_run_bookkeeping_worst"] = max(book) if book else None
     aa = [r for r in rows if r["kind"] == "control"]  # the A/A control: no verdict, its worst ratio
     out["aa_control_n"] = len(aa)
     out["aa_control_worst"] = max((r["measured_ratio"] - 1 for r in aa), key=abs, default=None)

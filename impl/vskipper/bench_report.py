@@ -45,7 +45,8 @@ def bench_tables(summaries: Iterable[str | os.PathLike], out_dir: str | os.PathL
         targets.append({"model": lab, "threads": s.get("threads"), "allocator": s.get("allocator"),
                         "repeats": s.get("settings", {}).get("repeats"),
                         **{f"{k}{x}": t.get(f"{k}{x}") for k in ("all_run", "prefill_flop", "hybrid_dense")
-                           for x in ("", "_worst", "_ci", "_n")}, "aa_control_worst": t.get("aa_control_worst")})
+                           for x in ("", "_worst", "_ci", "_n")}, "aa_control_worst": t.get("aa_control_worst"),
+                        "all_run_bookkeeping_worst": t.get("all_run_bookkeeping_worst")})
         for p in s.get("decode_profile", []):
             prof.append({"model": lab, "cell": p["cell"], "arm": p["arm"], "total_ms": 1e3 * p["total_s"],
                          **{f"{k}_%": 100 * v for k, v in p["shares"].items()}})
@@ -88,7 +89,9 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
                          f"{ci('all_run')}); prefill RandomSkip |measured - FLOP| <= 0.05: **{t['prefill_flop']}** "
                          f"(worst {w('prefill_flop')}{ci('prefill_flop')}); hybrid within 2% where the switch keeps "
                          f"it dense: **{t['hybrid_dense']}** (worst {w('hybrid_dense')}{ci('hybrid_dense')}); "
-                         f"A/A control (upstream timed as an arm): worst {w('aa_control')}")
+                         f"A/A control (upstream timed as an arm): worst {w('aa_control')}; all-RUN routing "
+                         f"bookkeeping (wrapper minus layer time, forward hooks): at most "
+                         f"{w('all_run_bookkeeping')} of a step")
         lines += ["", "Verdicts from the medians; \"intervals\" says what the rows' 95% intervals resolve: "
                   "*within* (every interval inside the tolerance), *outside* (one wholly outside), *unresolved* "
                   "(the noise of this shared VM is wider than the tolerance at these repeats).", ""]

@@ -186,11 +186,19 @@ def test_command_runs_tiny(tmp_path, monkeypatch):
     if sys.platform == "linux":  # glibc: the timing run fixed malloc's thresholds, and the rows say so
         assert s["allocator"].startswith("pinned mmap=") and all(r["allocator"] == s["allocator"] for r in rows)
     assert {"all_run", "prefill_flop", "hybrid_dense"} <= set(s["targets"])
+    # the prefill profile: upstream, cohort all-RUN and the RandomSkip arm with the largest prefill gap
+    assert [p["arm"] for p in s["prefill_profile"]] == ["upstream", "cohort_all_run", "random_r0.5_d0.5"]
+    gap = next(r["abs_gap"] for r in rows if r["arm"] == "random_r0.5_d0.5" and r["phase"] == "prefill")
+    assert s["prefill_profile"][2]["bench_gap"] == gap
     dfs = bench_tables([summ], tmp_path / "tables")
     assert len(dfs["vskipper_bench"]) == len(rows) and len(dfs["vskipper_bench_targets"]) == 1
+    pp = dfs["vskipper_bench_prefill_profile"]
+    assert list(pp.arm) == ["upstream", "cohort_all_run", "random_r0.5_d0.5"] and pp.routing_ms.isna().tolist() == [True, False, False]
+    assert (pp.routing_ms.dropna() > 0).all() and (tmp_path / "tables" / "vskipper_bench_prefill_profile.md").is_file()
     lines = report_section(tmp_path / "tables", tmp_path, tmp_path)
     text = "\n".join(lines)
     assert "all-RUN" in text and "wide" in text and "Where decode time goes" in text
+    assert "Where routed prefill time goes" in text
 
 
 def test_bench_models_config_check_names_the_key():

@@ -62,7 +62,8 @@ if CFG.get("vskipper"):
             expand(f"{VSKB_DIR}/{{l}}.json", l=VSKB_LABELS),
         output:
             expand(f"{VSKB_TABLES}/{{name}}.{{ext}}",
-                   name=["vskipper_bench", "vskipper_bench_targets", "vskipper_bench_profile"], ext=["csv", "md"]),
+                   name=["vskipper_bench", "vskipper_bench_targets", "vskipper_bench_profile",
+                         "vskipper_bench_prefill_profile"], ext=["csv", "md"]),
         params:
             out=lambda w, output: os.path.dirname(output[0]),
         log:

@@ -53,7 +53,8 @@ TABLE_TIMING: dict[str, tuple[str, ...]] = {
     "vskipper/*.csv": ("E2E *", "TTFT *", "TPOT *", "makespan", "e2e_*", "ttft_*", "tpot_*", "*threshold_N",
                        "profitable", "break_even_share", "tps_window"),
     "vskipper/vskipper_randomskip.csv": ("mean", "ci_low", "ci_high", "resolved", "text"),  # E2E % effects
-    "vskipper_bench/*.csv": ("measured_ratio", "ratio_ci_*", "abs_gap", "*_%", "*_worst"),
+    "vskipper_bench/*.csv": ("measured_ratio", "ratio_ci_*", "abs_gap", "*_%", "*_worst", "*_ms", "t_step_s",
+                             "profiled_ratio", "bench_gap", "*_ci", "repeats"),
 }
 #: (table glob, key column, predicate on its value, column globs): in the rows whose key matches, those
 #: columns were chosen or measured by the clock
@@ -61,6 +62,8 @@ TIMED_ROWS: tuple[tuple[str, str, object, tuple[str, ...]], ...] = (
     ("dex/dex_fig5.csv", "kind", lambda v: "by wall" in str(v), ("*",)),  # the DEX arm picked as fastest
     ("vskipper/*.csv", "metric", lambda v: is_timing(str(v)),
      ("mean", "ci_low", "ci_high", "resolved", "improved", "text", "baseline_mean", "treatment_mean")),
+    # the RandomSkip arm profiled is the one with the largest measured prefill gap
+    ("vskipper_bench/vskipper_bench_prefill_profile.csv", "arm", lambda v: str(v).startswith("random"), ("*",)),
 )
 
 

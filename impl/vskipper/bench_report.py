@@ -3,8 +3,9 @@
 :func:`bench_tables` turns the summaries written by ``python -m impl vskipper-bench`` into
 ``vskipper_bench.{csv,md}`` (per model, cell and arm: median step time, measured routed / upstream
 ratio, FLOP-predicted ratio, gap, realised Project-Only share), ``vskipper_bench_targets.{csv,md}``
-(the issue's targets per model, PASS / FAIL / NA) and ``vskipper_bench_profile.{csv,md}`` (where
-decode time goes). :func:`report_section` renders them for REPORT.md.
+(the issue's targets per model, PASS / FAIL / NA), ``vskipper_bench_profile.{csv,md}`` (where
+decode time goes) and ``vskipper_bench_prefill_profile.{csv,md}`` (torch-profiler split of the prefill
+step for upstream, the cohort all-RUN path and the RandomSkip arm with the largest prefill gap). :func:`report_section` renders them for REPORT.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import pandas as pd
 
 __all__ = ["bench_tables", "report_section", "TABLES"]
 
-TABLES = ("vskipper_bench", "vskipper_bench_targets", "vskipper_bench_profile")
+TABLES = ("vskipper_bench", "vskipper_bench_targets", "vskipper_bench_profile", "vskipper_bench_prefill_profile")
+
+# routed sections that exist only because rows are routed (the rest is the layer's own work on fewer rows)
+ROUTING_SECTIONS = ("route", "gather", "scatter")
 
 
 def _write(df: pd.DataFrame, out: Path, name: str) -> None:
@@ -31,7 +35,7 @@ def bench_tables(summaries: Iterable[str | os.PathLike], out_dir: str | os.PathL
     """Write the three tables from ``vskipper-bench`` summary JSON files; returns them by name."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ratios, targets, prof = [], [], []
+    ratios, targets, prof, pprof = [], [], [], []
     for f in summaries:
         s = json.loads(Path(f).read_text(encoding="utf-8"))
         lab = s["label"]
@@ -50,8 +54,17 @@ def bench_tables(summaries: Iterable[str | os.PathLike], out_dir: str | os.PathL
         for p in s.get("decode_profile", []):
             prof.append({"model": lab, "cell": p["cell"], "arm": p["arm"], "total_ms": 1e3 * p["total_s"],
                          **{f"{k}_%": 100 * v for k, v in p["shares"].items()}})
+        for p in s.get("prefill_profile", []):
+            wall = 1e3 * p["wall_s"]
+            routing = sum(p["sections_ms"].get(k, 0.0) for k in ROUTING_SECTIONS)
+            pprof.append({"model": lab, "cell": p["cell"], "arm": p["arm"], "wall_ms": wall,
+                          "profiled_ratio": p["measured_ratio"], "flop_pred_ratio": p["flop_pred_ratio"],
+                          "bench_gap": p.get("bench_gap"), "routing_ms": routing if p["sections_ms"] else None,
+                          "routing_%": 100 * routing / wall if p["sections_ms"] else None,
+                          **{f"{k}_ms": v for k, v in p["ops_ms"].items()},
+                          **{f"sec_{k}_ms": v for k, v in p["sections_ms"].items()}})
     dfs = {"vskipper_bench": pd.DataFrame(ratios), "vskipper_bench_targets": pd.DataFrame(targets),
-           "vskipper_bench_profile": pd.DataFrame(prof)}
+           "vskipper_bench_profile": pd.DataFrame(prof), "vskipper_bench_prefill_profile": pd.DataFrame(pprof)}
     for name, df in dfs.items():
         _write(df, out, name)
     return dfs
@@ -69,7 +82,7 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
         return pd.read_csv(f, **kw) if f.is_file() and f.stat().st_size > 1 else pd.DataFrame()
 
     md = lambda d: d.to_markdown(index=False, floatfmt=".3f")  # noqa: E731
-    ratios, targets, prof = (read(n) for n in TABLES)
+    ratios, targets, prof, pprof = (read(n) for n in TABLES)
     lines = ["## vSkipper: per-step timings vs FLOP accounting (timings only)", "",
              "Engine-shaped packed steps on this CPU (shared cores, so compare ratios). measured = median over "
              "rounds of t_arm / mean(t_upstream before, t_upstream after): every arm is timed between two "
@@ -103,6 +116,15 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
         piv = piv[sorted(piv.columns, key=lambda c: (c.split()[0], c.split()[1] != "meas"))]
         lines += ["### Routed / upstream step-time ratio, measured vs FLOP prediction", "",
                   md(piv.reset_index()), ""]
+    if len(pprof):
+        lines += ["### Where routed prefill time goes (torch profiler, ms per step)", "",
+                  "Upstream, the cohort path with every row RUN (what gathering, masking and scattering cost "
+                  "with nothing skipped) and the RandomSkip arm farthest from its FLOP prediction in the "
+                  "benchmark (`bench_gap`), profiled in the same run. Operator columns are self CPU time by "
+                  "category; `sec_*` are the routed layers' labelled sections; `routing_ms` = route + gather + "
+                  "scatter, the work that exists only because rows are routed (the rest is the layers' own "
+                  "work on fewer rows). The profiler adds overhead, so `profiled_ratio` is not the benchmark's "
+                  "ratio.", "", md(pprof), ""]
     if len(prof):
         lines += ["### Where decode time goes (% of a step; forward-hook timers)", "", md(prof), ""]
     lines += ["Tables: " + ", ".join(f"[{p.stem}]({rel(p)})" for p in sorted(td.glob("vskipper_bench*.csv"))), ""]

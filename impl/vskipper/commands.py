@@ -57,7 +57,8 @@ def cmd_vskipper_bench(args) -> None:
     from impl.provenance import write_json, write_jsonl
     from impl.schema import core_config
 
-    from .bench import WIDE_ARCH, arch_of, check_targets, decode_profile, step_benchmark, wide_model
+    from .bench import (WIDE_ARCH, arch_of, check_targets, decode_profile, prefill_profile, step_benchmark,
+                        wide_model)
 
     cfg = config_from_args(args)
     core = core_config(cfg)
@@ -98,13 +99,25 @@ def cmd_vskipper_bench(args) -> None:
     for n in s["profile_requests"]:
         prof += decode_profile(model, requests=int(n), context=int(s["decode_context"]), routed_layers=routed_layers,
                                steps=int(s["profile_steps"]), seed=core.seed, label=label)
+    # where the worst prefill gap's time goes: the torch-profiler split of the RandomSkip arm farthest
+    # from its FLOP prediction in the largest prefill cell, beside upstream and the cohort all-RUN path
+    pre = [r for r in rows if r["phase"] == "prefill" and r["kind"] == "routed" and r.get("r") is not None]
+    pprof = []
+    if pre:
+        T = max(r["T"] for r in pre)
+        worst = max((r for r in pre if r["T"] == T), key=lambda r: r["abs_gap"])
+        log.info("prefill profile: %s (gap %.3f)", worst["arm"], worst["abs_gap"])
+        pprof = prefill_profile(model, tokens=T, prompt_len=int(s["prompt_len"]), arms=[(worst["r"], worst["d"])],
+                                routed_layers=routed_layers, steps=int(s["profile_steps"]), seed=core.seed, label=label)
+        for p in pprof:
+            p["bench_gap"] = worst["abs_gap"] if p["arm"] == worst["arm"] else None
     prov = run_provenance(cfg, allocator=allocator)
     write_jsonl(args.out, [dict(r, **prov) for r in rows])
     targets = check_targets(rows)
     table = [{k: r.get(k) for k in ("cell", "arm", "kind", "r", "d", "skip_share", "t_step_s", "measured_ratio",
                                     "ratio_ci95", "flop_pred_ratio", "abs_gap", "hybrid_routed")} for r in rows]
     summary = dict(label=label, source=source, arch=arch_of(model), settings=s, cells=cells, targets=targets,
-                   ratios=table, decode_profile=prof, threads=torch.get_num_threads(),
+                   ratios=table, decode_profile=prof, prefill_profile=pprof, threads=torch.get_num_threads(),
                    timing_note="CPU wall clock; each arm over the upstream steps timed next to it (median of paired ratios over rounds); shared cores: noisy, compare ratios",
                    **prov)
     write_json(args.summary, summary)

@@ -63,6 +63,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache, LlamaForCausalLM
 
 from impl.models.tiny import TinyArch
+from impl.stats import one_sample
 
 from .mode import ModeController, ModeSwitch, _block_mask, derive_thresholds, profile_routed_cost
 from .random_skip import RandomSkip
@@ -305,14 +306,12 @@ def route_bookkeeping(model, cell: _Cell, layers: Sequence, ctx: RowContext, *, 
 
 
 def _mean_ci(xs: Sequence[float], level: float = 0.95) -> list[float] | None:
-    """Student-t interval of the mean of ``xs`` (None with fewer than two values)."""
+    """Student-t interval of the mean of ``xs`` (:func:`impl.stats.one_sample`; None with fewer than two
+    values)."""
     if len(xs) < 2:
         return None
-    from scipy import stats
-
-    m, se = statistics.fmean(xs), statistics.stdev(xs) / math.sqrt(len(xs))
-    h = float(stats.t.ppf(0.5 + level / 2, len(xs) - 1)) * se
-    return [m - h, m + h]
+    res = one_sample(list(xs), confidence=level)
+    return [res.ci_low, res.ci_high]
 
 
 def _share(ctx: RowContext, phase: int) -> tuple[int, int]:

@@ -254,7 +254,7 @@ def _layers_of(model, layers: Sequence):
 
 
 @torch.no_grad()
-def route_bookkeeping(model, cell: _Cell, layers: Sequence, ctx: RowContext, *, steps: int = 10) -> float:
+def route_bookkeeping(model, cell: _Cell, layers: Sequence, ctx: RowContext, *, steps: int = 3) -> float:
     """Seconds per step the routed wrappers add around the layers they wrap (the routing bookkeeping of
     an arm: row checks, the route tape, cohort gathers and scatters), measured with forward hooks:
     the sum over routed layers of (wrapper span - wrapped layer span), median over ``steps`` steps.
@@ -274,35 +274,34 @@ def route_bookkeeping(model, cell: _Cell, layers: Sequence, ctx: RowContext, *, 
     wrappers = [m for m in layers if isinstance(m, RoutedDecoderLayer)]
     if not wrappers:
         return 0.0
-    acc = {"outer": 0.0, "inner": 0.0}
-    handles = []
-
-    def span(mod, key):
-        def pre(m, args, kwargs):
-            m._bench_t0 = time.perf_counter()
-
-        def post(m, args, kwargs, out):
-            acc[key] += time.perf_counter() - m._bench_t0
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mod.register_forward_hook(post, with_kwargs=True))
-
-    for w in wrappers:
-        span(w, "outer")
-        span(w.layer, "inner")
+    acc: dict[str, float] = {}
+    handles = _time_spans(acc, [(w, "outer") for w in wrappers] + [(w.layer, "inner") for w in wrappers])
     per_step = []
     try:
         with _layers_of(model, layers):
             for _ in range(max(1, steps)):
-                acc["outer"] = acc["inner"] = 0.0
+                acc.clear()
                 _run_step(model, cell, ctx)
-                per_step.append(acc["outer"] - acc["inner"])
+                per_step.append(acc.get("outer", 0.0) - acc.get("inner", 0.0))
     finally:
         for h in handles:
             h.remove()
-        for w in wrappers:
-            for m in (w, w.layer):
-                m.__dict__.pop("_bench_t0", None)
     return statistics.median(per_step)
+
+
+def _time_spans(acc: dict[str, float], spans: Iterable[tuple[torch.nn.Module, str]]) -> list:
+    """Forward pre / post hooks that add each call's wall time [s] of every ``(module, key)`` of ``spans``
+    to ``acc[key]``; returns the hook handles (the caller removes them)."""
+    t0: dict[int, float] = {}
+    handles = []
+    for mod, key in spans:
+        def pre(m, args):
+            t0[id(m)] = time.perf_counter()
+
+        def post(m, args, out, key=key):
+            acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0[id(m)]
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    return handles
 
 
 def _mean_ci(xs: Sequence[float], level: float = 0.95) -> list[float] | None:
@@ -540,29 +539,12 @@ def decode_profile(model, *, requests: int = 32, context: int = 128, routed_laye
     cell = make_cell(model, "decode", requests=requests, context=context, seed=seed)
     orig = list(model.model.layers)
     acc: dict[str, float] = {}
-    handles = []
-
-    def timer(key):
-        def pre(mod, args, kwargs=None):
-            mod._bench_t0 = time.perf_counter()
-
-        def post(mod, args, out, kwargs=None):
-            acc[key] = acc.get(key, 0.0) + time.perf_counter() - mod._bench_t0
-        return pre, post
-
-    def hook(mod, key):
-        pre, post = timer(key)
-        handles.append(mod.register_forward_pre_hook(pre))
-        handles.append(mod.register_forward_hook(post))
-
+    spans = [(model.lm_head, "lm_head")]
     for m in orig:
         at = m.self_attn
-        for n in ("k_proj", "v_proj"):
-            hook(getattr(at, n), "kv_proj")
-        for n in ("q_proj", "o_proj"):
-            hook(getattr(at, n), "qo_proj")
-        hook(m.mlp, "mlp")
-    hook(model.lm_head, "lm_head")
+        spans += [(at.k_proj, "kv_proj"), (at.v_proj, "kv_proj"), (at.q_proj, "qo_proj"), (at.o_proj, "qo_proj"),
+                  (m.mlp, "mlp")]
+    handles = _time_spans(acc, spans)
     cache = cell.cache
     orig_update = cache.update
 
@@ -585,10 +567,7 @@ def decode_profile(model, *, requests: int = 32, context: int = 128, routed_laye
             per = []
             with _layers_of(model, lay):
                 # layer totals: hook the modules in the layer slots (wrapper or original)
-                lh = []
-                for m in model.model.layers:
-                    pre, post = timer("layers")
-                    lh += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+                lh = _time_spans(acc, [(m, "layers") for m in model.model.layers])
                 try:
                     for s in range(steps + 1):
                         acc.clear()
@@ -764,25 +743,21 @@ def check_targets(rows: Sequence[dict], *, all_run_tol: float = 0.02, prefill_ga
         else:
             out[f"{name}_ci"] = "unresolved"
 
-    def ci(r):
-        return r["ratio_ci95"]
-
     # each lo_hi maps a row's interval to (distance past the tolerance at its nearest end, at its farthest end)
+    def over(tol):  # a ratio bounded above by 1 + tol
+        return lambda r: (r["ratio_ci95"][0] - 1 - tol, r["ratio_ci95"][1] - 1 - tol)
+
+    def gap_bounds(r):  # |ratio - prediction| bounded by prefill_gap
+        lo, hi = (x - r["flop_pred_ratio"] for x in r["ratio_ci95"])
+        return max(lo - prefill_gap, -prefill_gap - hi), max(abs(lo), abs(hi)) - prefill_gap
+
     all_run = [r for r in rows if r["arm"] == "all_run"]
-    verdict("all_run", all_run, lambda r: r["measured_ratio"] - 1,
-            lambda r: (ci(r)[0] - 1 - all_run_tol, ci(r)[1] - 1 - all_run_tol), lambda w: w <= all_run_tol)
+    verdict("all_run", all_run, lambda r: r["measured_ratio"] - 1, over(all_run_tol), lambda w: w <= all_run_tol)
     pre = [r for r in rows if r["phase"] == "prefill" and r["kind"] == "routed" and r.get("r") is not None
            and r["T"] >= min_prefill_tokens]
-
-    def gap_bounds(r):
-        lo, hi = ci(r)[0] - r["flop_pred_ratio"], ci(r)[1] - r["flop_pred_ratio"]
-        near = max(lo - prefill_gap, -prefill_gap - hi)  # > 0: the whole interval is past one side
-        return near, max(abs(lo), abs(hi)) - prefill_gap
-
     verdict("prefill_flop", pre, lambda r: r["abs_gap"], gap_bounds, lambda w: w <= prefill_gap)
     dense = [r for r in rows if r["kind"] == "hybrid" and not r["hybrid_routed"]]
-    verdict("hybrid_dense", dense, lambda r: r["measured_ratio"] - 1,
-            lambda r: (ci(r)[0] - 1 - hybrid_tol, ci(r)[1] - 1 - hybrid_tol), lambda w: w <= hybrid_tol)
+    verdict("hybrid_dense", dense, lambda r: r["measured_ratio"] - 1, over(hybrid_tol), lambda w: w <= hybrid_tol)
     book = [r["route_bookkeeping_share"] for r in all_run if r.get("route_bookkeeping_share") is not None]
     out["all_run_bookkeeping_worst"] = max(book) if book else None
     aa = [r for r in rows if r["kind"] == "control"]  # the A/A control: no verdict, its worst ratio

@@ -5,7 +5,8 @@
 ratio, FLOP-predicted ratio, gap, realised Project-Only share), ``vskipper_bench_targets.{csv,md}``
 (the issue's targets per model, PASS / FAIL / NA), ``vskipper_bench_profile.{csv,md}`` (where
 decode time goes) and ``vskipper_bench_prefill_profile.{csv,md}`` (torch-profiler split of the prefill
-step for upstream, the cohort all-RUN path and the RandomSkip arm with the largest prefill gap). :func:`report_section` renders them for REPORT.md.
+step for upstream, the cohort all-RUN path and the RandomSkip arm with the largest prefill gap).
+:func:`report_section` renders them for REPORT.md.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _write(df: pd.DataFrame, out: Path, name: str) -> None:
 
 
 def bench_tables(summaries: Iterable[str | os.PathLike], out_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
-    """Write the three tables from ``vskipper-bench`` summary JSON files; returns them by name."""
+    """Write the four tables (:data:`TABLES`) from ``vskipper-bench`` summary JSON files; returns them by name."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ratios, targets, prof, pprof = [], [], [], []

@@ -477,15 +477,13 @@ class RoutedDecoderLayer(nn.Module):
             # (ii) the RUN cohort: queries against the full K/V, then the MLP, scattered back
             every = n_run == T  # every row RUNs (an epilogue policy's all-RUN layer): no gather, no scatter
             with _section("gather"):
+                mask = _rows_of_mask(attention_mask, run_idx, T, k_all.shape[2], normed.dtype, self.layer_idx)
                 if every:
                     normed_run, cos_run, sin_run, h_in = normed, cos, sin, hidden_states[0]
-                    mask = _rows_of_mask(attention_mask, run_idx, T, k_all.shape[2], normed.dtype, self.layer_idx,
-                                         every=True)
                 else:
                     # index_select, not advanced indexing: the same rows, several times faster on CPU
                     normed_run = normed.index_select(1, run_idx)  # [1, n_run, H]
                     cos_run, sin_run = cos.index_select(1, run_idx), sin.index_select(1, run_idx)
-                    mask = _rows_of_mask(attention_mask, run_idx, T, k_all.shape[2], normed.dtype, self.layer_idx)
                     h_in = hidden_states[0].index_select(0, run_idx)  # [n_run, H]
             with _section("q_proj"):
                 q = attn.q_proj(normed_run).view(1, n_run, -1, head_dim)
@@ -547,11 +545,11 @@ def _eager_attention(attn):
     return getattr(mod, "eager_attention_forward")
 
 
-def _rows_of_mask(attention_mask, run_idx, T, K, dtype, layer_idx, every: bool = False):
-    """The attention mask of the RUN rows: ``[1, h, n_run, K]``.
+def _rows_of_mask(attention_mask, run_idx, T, K, dtype, layer_idx):
+    """The attention mask of the RUN rows ``run_idx`` (sorted, unique): ``[1, h, n_run, K]``.
 
     With a 4D mask (the engine's packed mask, or a prepared plain mask) its RUN rows are selected (the
-    mask itself when ``every`` row RUNs: no copy); with
+    mask itself when every row RUNs: no copy); with
     None (plain causal attention over a cache of K - T past tokens and T new ones) a lower-right
     aligned causal additive mask is built for the RUN rows.
     """
@@ -567,7 +565,7 @@ def _rows_of_mask(attention_mask, run_idx, T, K, dtype, layer_idx, every: bool =
         raise ValueError(
             f"routed layer {layer_idx}: expected a [1, h, {T}, K] attention mask, got {tuple(attention_mask.shape)}"
         )
-    return attention_mask if every else attention_mask.index_select(2, run_idx)
+    return attention_mask if run_idx.numel() == T else attention_mask.index_select(2, run_idx)
 
 
 # -- installing ---------------------------------------------------------------------------------------

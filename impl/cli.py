@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from .registry import Registry
 from .runtime import config_from_args, load_for, run_provenance, set_threads
-from .schema import core_config
+from .schema import core_config, prompt_cap
 from .argtypes import ArgumentParser, json_object, nonneg_float, nonneg_int, positive_int, temperature, usage_error
 from .workloads.prompts import read_prompts
 
@@ -204,7 +204,11 @@ def cmd_tokenize(args) -> None:
 
     core = core_config(config_from_args(args))
     tok = load_tokenizer(args.model_dir)
-    rows, summary = tokenize_suite(read_prompts(args.prompts), tok, core.max_prompt_tokens, core.overlong_prompt)
+    prompts = read_prompts(args.prompts)
+    suites = {p.get("suite") for p in prompts}
+    # one suite per frozen file (rule workload_text); its own cap (workloads.<suite>.max_prompt_tokens) if set
+    cap = prompt_cap(core, suites.pop() if len(suites) == 1 else None)
+    rows, summary = tokenize_suite(prompts, tok, cap, core.overlong_prompt)
     write_jsonl(args.out, rows)
     log.info("tokenized %s: %s", args.prompts, summary)
 

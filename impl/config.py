@@ -175,11 +175,15 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
             if m not in out["ead"]["models"]:
                 raise ConfigError(f"config: 'ead.n_prompts' names '{m}', which is not in 'ead.models'")
     tiny_ctx = out["tiny_arch"]["max_position_embeddings"]
-    need = out["max_prompt_tokens"] + max(out["ead"]["max_new_tokens"], out["ar_bench"]["max_new_tokens"])
+    caps = {"max_prompt_tokens": out["max_prompt_tokens"],
+            **{f"workloads.{s}.max_prompt_tokens": w["max_prompt_tokens"] for s, w in out["workloads"].items()
+               if w.get("max_prompt_tokens") is not None}}
+    key = max(caps, key=caps.get)
+    need = caps[key] + max(out["ead"]["max_new_tokens"], out["ar_bench"]["max_new_tokens"])
     if any(m["kind"] == "tiny" for m in out["models"].values()) and need > tiny_ctx:
         raise ConfigError(
-            f"config: 'max_prompt_tokens' + max new tokens = {need} exceeds 'tiny_arch.max_position_embeddings' "
-            f"= {tiny_ctx}; lower max_prompt_tokens or raise the context")
+            f"config: '{key}' + max new tokens = {need} exceeds 'tiny_arch.max_position_embeddings' "
+            f"= {tiny_ctx}; lower {key} or raise the context")
     # Chains are checked against L here when every measured model is tiny (L known from tiny_arch);
     # for pretrained models L is known only once loaded, and chains whose K do not divide L are
     # reported as not applicable in the tables.

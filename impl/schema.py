@@ -75,6 +75,9 @@ class WorkloadEntry(Section):
     chat: Annotated[str, Field(min_length=1)] | SkipJsonSchema[None] = Field(
         None, description="user-message template: models with a chat template get it as one user turn through "
                           "their own template (the plain template otherwise)")
+    max_prompt_tokens: Annotated[int, Field(ge=2)] | SkipJsonSchema[None] = Field(
+        None, description="this suite's prompt cap in tokens (overlong_prompt applies); null = the top-level "
+                          "max_prompt_tokens")
 
 
 class Compare(Section):
@@ -188,3 +191,18 @@ def core_config(cfg: Mapping[str, Any]) -> CoreConfig:
             configs through :func:`impl.runtime.config_from_args`).
     """
     return CoreConfig.model_validate({k: cfg[k] for k in CoreConfig.model_fields if k in cfg})
+
+
+def prompt_cap(core: CoreConfig, suite: str | None) -> int:
+    """The most prompt tokens a suite's frozen prompts may have: ``workloads.<suite>.max_prompt_tokens`` when
+    set, else the top-level ``max_prompt_tokens`` (also for ``suite=None`` or a suite not in ``workloads``).
+
+    Args:
+        core (CoreConfig): the validated core config.
+        suite (str | None): the suite the prompts belong to (their rows' ``suite`` field).
+
+    Returns:
+        int: the cap, >= 2.
+    """
+    w = core.workloads.get(suite) if suite is not None else None
+    return w.max_prompt_tokens if w is not None and w.max_prompt_tokens is not None else core.max_prompt_tokens

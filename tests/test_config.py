@@ -115,3 +115,44 @@ def test_env_data_dir_overrides(cfg, monkeypatch, data_dir):
     assert validate_config(cfg)["data_dir"] == str(data_dir)
     monkeypatch.setenv("IMPL_DATA_DIR", "/nope")
     assert "IMPL_DATA_DIR" in _err(cfg)
+
+
+def test_suite_prompt_cap_in_the_context_budget(cfg):
+    suite = next(iter(cfg["workloads"]))
+    cfg["workloads"][suite]["max_prompt_tokens"] = 10_000
+    assert f"workloads.{suite}.max_prompt_tokens" in _err(cfg)
+    cfg["workloads"][suite]["max_prompt_tokens"] = 1
+    assert f"workloads.{suite}.max_prompt_tokens" in _err(cfg)
+
+
+def test_prompt_cap_per_suite(cfg):
+    from impl.schema import core_config, prompt_cap
+
+    s0, s1 = list(cfg["workloads"])[:2]
+    cfg["workloads"][s0]["max_prompt_tokens"] = 64
+    core = core_config(validate_config(cfg))
+    assert prompt_cap(core, s0) == 64
+    assert prompt_cap(core, s1) == core.max_prompt_tokens != 64
+    assert prompt_cap(core, None) == prompt_cap(core, "not-a-suite") == core.max_prompt_tokens
+
+
+def test_tokenize_command_applies_the_suite_cap(cfg, tmp_path, tiny_tokenizer):
+    """`python -m impl tokenize` caps a suite's prompts at its own max_prompt_tokens (truncate_left keeps
+    the tail), and the other suites at the top-level cap."""
+    import json
+
+    from impl.cli import main
+
+    suites = list(cfg["workloads"])
+    cfg["workloads"][suites[0]]["max_prompt_tokens"] = 8
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    text = "Question: what is two plus two? " * 40
+    lens = {}
+    for s in suites[:2]:
+        (tmp_path / f"{s}.jsonl").write_text(json.dumps({"id": "a", "suite": s, "source_id": "0", "text": text}) + "\n")
+        main(["tokenize", "--config-json", f"@{tmp_path / 'cfg.json'}", "--model-dir", str(tmp_path / "tok"),
+              "--prompts", str(tmp_path / f"{s}.jsonl"), "--out", str(tmp_path / f"{s}.tok.jsonl")])
+        lens[s] = len(json.loads((tmp_path / f"{s}.tok.jsonl").read_text())["input_ids"])
+    assert lens[suites[0]] == 8
+    assert 8 < lens[suites[1]] <= cfg.get("max_prompt_tokens", 512)

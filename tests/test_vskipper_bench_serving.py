@@ -231,3 +231,72 @@ def test_real_bench_serving_every_arm(tmp_path, tiny_tokenizer, data_dir):
         assert all(math.isfinite(r[c]) and r[c] > 0 for c in ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s"))
         # the project's load generator replayed the same prompts at the same rate: both clients' means recorded
         assert r["clients_agree"] in (True, False) and r["loadgen_e2e_ms"] > 0 and r["bench_e2e_ms"] > 0
+
+
+def test_workload_prompts_are_the_suites_own(tmp_path, tiny_tokenizer):
+    """A frozen workload suite becomes the ShareGPT list bench_serving reads: its text as the human turn, in
+    order, the ids the server makes of that text; chat rows ask for the chat template; bad suites refused."""
+    suite = [{"id": f"gsm8k-{i}", "suite": "gsm8k", "format": "plain", "text": f"Question: {i} apples?\nAnswer:"}
+             for i in range(5)]
+    rows, chat = bs.workload_prompts(suite, tiny_tokenizer, 3, 8, 120, tmp_path / "w.json")
+    kept = json.loads((tmp_path / "w.json").read_text())
+    assert chat is False and [r["id"] for r in rows] == [k["id"] for k in kept] == ["gsm8k-0", "gsm8k-1", "gsm8k-2"]
+    for r, k, s in zip(rows, kept, suite):
+        assert r["prompt"] == k["conversations"][0]["value"] == s["text"] and len(k["conversations"]) == 2
+        assert r["input_ids"] == tiny_tokenizer(s["text"])["input_ids"]
+    with pytest.raises(ValueError, match="one format per suite"):
+        bs.workload_prompts([{**suite[0], "format": "chat"}, suite[1]], tiny_tokenizer, 1, 8, 120, tmp_path / "x.json")
+    with pytest.raises(ValueError, match="have no text"):
+        bs.workload_prompts([{"id": "a", "input_ids": [1, 2]}], tiny_tokenizer, 1, 8, 120, tmp_path / "x.json")
+    with pytest.raises(ValueError, match="only 0 workload prompts fit context_len 9"):
+        bs.workload_prompts(suite, tiny_tokenizer, 3, 8, 9, tmp_path / "x.json")
+
+
+def test_knee_command_runs_on_the_workload_at_the_knee_rate(fake_python, tmp_path, tiny_tokenizer, data_dir):
+    """`vskipper-http-check --knee K --point knee --thresholds T --bench-prompts P` (rule
+    vskipper_knee_bench_serving): bench_serving gets the workload's prompts, open loop at 0.95 x Q* with
+    vskipper.requests prompts, and the hybrid is served under the thresholds' switch (recorded in the summary);
+    a knee without the point, or unreadable thresholds, exit before any server starts."""
+    import subprocess
+
+    import yaml
+
+    from conftest import save_wide_llama
+
+    d = tmp_path / "model"
+    save_wide_llama(d, tiny_tokenizer, 128)
+    cfg = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
+    cfg["data_dir"] = str(data_dir)
+    cfg["vskipper"]["requests"] = 3
+    cfg["vskipper"]["http"] = {"bench_serving": {"python": str(fake_python), "output_len": 8, "context_len": 120}}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    suite = tmp_path / "gsm8k.jsonl"
+    suite.write_text("".join(json.dumps({"id": f"g{i}", "suite": "gsm8k", "format": "plain", "input_ids": [1, 2],
+                                         "text": f"Question: {i} apples?\nAnswer:"}) + "\n" for i in range(4)))
+    knee = tmp_path / "knee.json"
+    knee.write_text(json.dumps({"workload": "gsm8k", "load_factors": {"below": 0.75, "knee": 0.95}, "q_star": 20.0,
+                                "q_star_used": 20.0, "status": "bracketed"}))
+    thr = {"thresholds": {"min_prefill_tokens": 7, "min_skip_share": 0.05, "enter_threshold": 3}}
+    (tmp_path / "thr.json").write_text(json.dumps(thr))
+    base = [sys.executable, "-m", "impl", "vskipper-http-check", "--config-json", f"@{tmp_path / 'cfg.json'}",
+            "--quiet", "--model-dir", str(d), "--checks", "bench_serving", "--arms", "upstream",
+            "--bench-prompts", str(suite), "--knee", str(knee), "--out", str(tmp_path / "o.csv"),
+            "--summary", str(tmp_path / "o.json")]
+    env = {**os.environ, "FAKE_ARGV": str(tmp_path / "argv.json"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([*base, "--point", "overload"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert r.returncode != 0 and "--knee" in r.stderr and "overload" in r.stderr and not (tmp_path / "o.csv").exists()
+    r = subprocess.run([*base, "--thresholds", str(tmp_path / "nope.json")], capture_output=True, text=True, env=env,
+                       cwd=REPO)
+    assert r.returncode != 0 and "--thresholds" in r.stderr and not (tmp_path / "o.csv").exists()
+    r = subprocess.run([*base, "--thresholds", str(tmp_path / "thr.json")], capture_output=True, text=True, env=env,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv[argv.index("--request-rate") + 1] == str(0.95 * 20.0) and "--max-concurrency" not in argv
+    assert argv[argv.index("--num-prompts") + 1] == "3" and "--apply-chat-template" not in argv
+    summary = json.loads((tmp_path / "o.json").read_text())
+    st = summary["settings"]
+    assert st["knee"]["rate"] == pytest.approx(19.0) and st["bench_serving"]["num_prompts"] == 3
+    assert st["bench_prompts"] == str(suite) and st["hybrid_switch"]["min_prefill_tokens"] == 7
+    rows = (tmp_path / "o.csv").read_text()
+    assert "prompts of gsm8k.jsonl" in rows and "at 19 req/s" in rows

@@ -99,9 +99,11 @@ def report_sections():
     if VSK:
         out.append(("vskipper-serving", VSK_TABLES, VSK_REPORT_INPUTS))
         out.append(("vskipper-bench", VSKB_TABLES, rules.vskipper_bench_tables.output))
-        if TINY_MODELS:
-            out.append(("vskipper-http", VSKH_DIR, expand(f"{VSKH_DIR}/{{model}}.csv", model=TINY_MODELS)
-                        + expand(f"{VSKH_DIR}/{{model}}.bench_serving.csv", model=VSKH_BENCH_MODELS)))
+        if TINY_MODELS or VSKH_KNEE_BENCH:
+            out.append(("vskipper-http", f"{RESULTS}/vskipper/http",
+                        expand(f"{RESULTS}/vskipper/http/{{model}}.csv", model=TINY_MODELS)
+                        + expand(f"{RESULTS}/vskipper/http/{{model}}.bench_serving.csv", model=VSKH_BENCH_MODELS)
+                        + ([VSKH_KNEE_BENCH_OUT] if VSKH_KNEE_BENCH else [])))
     return out
 
 

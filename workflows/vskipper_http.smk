@@ -75,3 +75,40 @@ if CFG.get("vskipper") and VSKH_BENCH_MODELS:
             "python -m impl vskipper-http-check --config-json @{params.cfg} --quiet --model-dir {input.model} "
             "--checks bench_serving --arms {params.arms} {params.rd} --label {wildcards.model} "
             "--out {output.csv} --summary {output.summary} 2> {log}"
+
+
+# SGLang's bench_serving at the knee (vskipper.http.bench_serving.python set, .knee true): upstream and the served
+# hybrid of vskipper.model (its FlexiDepth checkpoint under the rule-derived thresholds, as in the cells), open
+# loop at the knee point x Q* of the first vSkipper workload, on that workload's frozen prompts; after each
+# bench_serving run the project's load generator replays the same prompts at the same rate against the same arm
+# and the two clients' E2E / TTFT / TPOT are compared (report: "SGLang's client and the project's load generator").
+# A timed job: it takes both cores, as the cells do.
+_vskk = ((CFG.get("vskipper") or {}).get("http") or {}).get("bench_serving") or {}
+VSKH_KNEE_BENCH = bool(CFG.get("vskipper") and _vskk.get("python") and _vskk.get("knee", True))
+if VSKH_KNEE_BENCH:
+    VSKH_KNEE_BENCH_OUT = f"{RESULTS}/vskipper/http/{VSK_MODEL}.knee.bench_serving.csv"
+
+    rule vskipper_knee_bench_serving:
+        conda:
+            "../env.yaml"
+        input:
+            model=VSK_MODEL_DIR,
+            ckpt=VSK_CKPT,
+            thresholds=f"{VSK_DIR}/thresholds/flexidepth.json",
+            knee=f"{VSK_DIR}/knee/{VSK_W0}.json",
+            prompts=f"{RESULTS}/workloads/{VSK_MODEL}/{VSK_W0}.jsonl",
+        output:
+            csv=VSKH_KNEE_BENCH_OUT,
+            summary=VSKH_KNEE_BENCH_OUT.replace(".csv", ".json"),
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            label=f"{VSK_MODEL}@knee",
+            sig=vsk_sig("model", "requests", "max_new_tokens", "engine", "http", "load_points"),
+        threads: VSK_TIMED_THREADS
+        log:
+            f"{LOGS}/vskipper/knee_bench_serving.log",
+        shell:
+            "python -m impl vskipper-http-check --config-json @{params.cfg} --quiet --model-dir {input.model} "
+            "--checks bench_serving --arms upstream hybrid --flexidepth {input.ckpt} --thresholds {input.thresholds} "
+            "--knee {input.knee} --point knee --bench-prompts {input.prompts} --label {params.label} "
+            "--out {output.csv} --summary {output.summary} 2> {log}"

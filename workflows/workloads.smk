@@ -8,7 +8,9 @@ rule workload_text:
         f"{RESULTS}/workloads/text/{{suite}}.jsonl",
     params:
         cfg=EFFECTIVE_CONFIG,
-        sig=lambda w: sig("data_dir", "seed", suite=CFG["workloads"][w.suite]),
+        # the text sample; the suite's prompt cap applies when tokenizing (rule workload_tokens)
+        sig=lambda w: sig("data_dir", "seed", suite={k: v for k, v in CFG["workloads"][w.suite].items()
+                                                     if k != "max_prompt_tokens"}),
     log:
         f"{LOGS}/workloads/{{suite}}.log",
     shell:
@@ -25,7 +27,9 @@ rule workload_tokens:
         f"{RESULTS}/workloads/{{model}}/{{suite}}.jsonl",
     params:
         cfg=EFFECTIVE_CONFIG,
-        sig=sig("max_prompt_tokens", "overlong_prompt"),
+        # a suite's own cap (workloads.<suite>.max_prompt_tokens) joins the hash only where it is set
+        sig=lambda w: sig("max_prompt_tokens", "overlong_prompt", **({"suite_cap": CFG["workloads"][w.suite]["max_prompt_tokens"]}
+                          if CFG["workloads"][w.suite].get("max_prompt_tokens") is not None else {})),
     log:
         f"{LOGS}/workloads/{{model}}/{{suite}}.log",
     shell:

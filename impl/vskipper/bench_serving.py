@@ -10,8 +10,9 @@ a PASS / FAIL verdict:
 - the client runs ``--backend vllm`` (the OpenAI completions client the paper uses) with streaming on,
   ``--dataset-name sharegpt`` over the offline ShareGPT subset (``<data_dir>/chat/sharegpt_v3_subset.jsonl``,
   converted to the JSON list the client reads; its first human turn is the prompt, with the model's
-  chat template applied by the client when the model's tokenizer has one), a fixed output length, a maximum context (prompt + output, in
-  tokens) and a concurrency cap;
+  chat template applied by the client when the model's tokenizer has one) or over a frozen workload suite
+  written in that format (:func:`workload_prompts`: the knee's own prompts), a fixed output length, a
+  maximum context (prompt + output, in tokens) and a concurrency cap or a Poisson rate;
 - PASS when the client's result line says every request completed (``completed == num_prompts``,
   every per-request ``errors`` entry empty), produced exactly ``num_prompts * output_len`` tokens
   (``ignore_eos``), the engine served them without a failure, and TTFT / TPOT / ITL are finite.
@@ -32,9 +33,10 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["SHAREGPT_FILE", "RESULT_KEYS", "bench_serving", "sharegpt_json", "sharegpt_prompts", "sglang_python_ok"]
+__all__ = ["SHAREGPT_FILE", "RESULT_KEYS", "bench_serving", "sharegpt_json", "sharegpt_prompts", "sglang_python_ok",
+           "workload_prompts"]
 
 #: the offline ShareGPT subset, relative to the data folder (../shared/data/SOURCES.md)
 SHAREGPT_FILE = "chat/sharegpt_v3_subset.jsonl"
@@ -88,6 +90,46 @@ def sharegpt_json(data_dir: str | os.PathLike, out: str | os.PathLike, max_recor
     return out
 
 
+def _kept_conversations(records: Iterable[dict], tokenizer, n: int, output_len: int, context_len: int,
+                        chat_template: bool) -> tuple[list[dict], list[dict[str, Any]]]:
+    """The first ``n`` conversations of ``records`` that ``bench_serving`` keeps (SGLang 0.5.23's
+    ``sample_sharegpt_requests`` rule: two turns or more; the first turn, wrapped in the chat template with
+    the BOS text removed when ``chat_template``; ``2 <= prompt_len`` and ``prompt_len + output_len <=
+    context_len`` with ``tokenizer.encode``), and one row per kept one: ``id``, ``prompt`` (the text the
+    client sends), ``input_ids`` (``tokenizer(prompt)``: the ids the server makes of that text)."""
+    kept, rows = [], []
+    for rec in records:
+        if len(kept) == n:
+            break
+        turns = rec.get("conversations", rec.get("conversation", []))
+        if len(turns) < 2:
+            continue
+        prompt = turns[0]["value"]
+        if chat_template:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                   add_generation_prompt=True, tokenize=False)
+            if tokenizer.bos_token:
+                prompt = prompt.replace(tokenizer.bos_token, "")
+        n_tok = len(tokenizer.encode(prompt))
+        if n_tok < 2 or n_tok + int(output_len) > int(context_len):
+            continue
+        kept.append(rec)
+        rows.append({"id": rec.get("id", f"sharegpt-{len(rows)}"), "prompt": prompt,
+                     "input_ids": list(tokenizer(prompt)["input_ids"])})
+    return kept, rows
+
+
+def _write_kept(kept: list[dict], rows: list[dict], n: int, output_len: int, context_len: int, what: str,
+                out: str | os.PathLike) -> list[dict[str, Any]]:
+    if len(kept) < n:
+        raise ValueError(f"only {len(kept)} {what} fit context_len {context_len} with "
+                         f"output_len {output_len}; bench_serving needs num_prompts = {n}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(kept), encoding="utf-8")
+    return rows
+
+
 def sharegpt_prompts(data_dir: str | os.PathLike, tokenizer, n: int, output_len: int, context_len: int,
                      chat_template: bool, out: str | os.PathLike) -> list[dict[str, Any]]:
     """The first ``n`` ShareGPT conversations that ``bench_serving`` keeps (SGLang 0.5.23's
@@ -108,36 +150,39 @@ def sharegpt_prompts(data_dir: str | os.PathLike, tokenizer, n: int, output_len:
     src = Path(data_dir) / SHAREGPT_FILE
     if not src.is_file():
         raise FileNotFoundError(f"no ShareGPT subset at {src} (data_dir/{SHAREGPT_FILE})")
-    kept, rows = [], []
     with open(src, encoding="utf-8") as f:
-        for line in f:
-            if len(kept) == n:
-                break
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            turns = rec.get("conversations", rec.get("conversation", []))
-            if len(turns) < 2:
-                continue
-            prompt = turns[0]["value"]
-            if chat_template:
-                prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                       add_generation_prompt=True, tokenize=False)
-                if tokenizer.bos_token:
-                    prompt = prompt.replace(tokenizer.bos_token, "")
-            n_tok = len(tokenizer.encode(prompt))
-            if n_tok < 2 or n_tok + int(output_len) > int(context_len):
-                continue
-            kept.append(rec)
-            rows.append({"id": rec.get("id", f"sharegpt-{len(rows)}"), "prompt": prompt,
-                         "input_ids": list(tokenizer(prompt)["input_ids"])})
-    if len(kept) < n:
-        raise ValueError(f"only {len(kept)} ShareGPT conversations fit context_len {context_len} with "
-                         f"output_len {output_len}; bench_serving needs num_prompts = {n}")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(kept), encoding="utf-8")
-    return rows
+        kept, rows = _kept_conversations((json.loads(line) for line in f if line.strip()), tokenizer, n,
+                                         output_len, context_len, chat_template)
+    return _write_kept(kept, rows, n, output_len, context_len, "ShareGPT conversations", out)
+
+
+def workload_prompts(suite_rows: Sequence[Mapping[str, Any]], tokenizer, n: int, output_len: int, context_len: int,
+                     out: str | os.PathLike) -> tuple[list[dict[str, Any]], bool]:
+    """A frozen workload suite (the rows of ``results/workloads/<model>/<suite>.jsonl``: ``id``, ``text``,
+    ``format``) as the ShareGPT JSON list ``bench_serving --dataset-name sharegpt`` reads, so SGLang's
+    client sends the prompts the knee and the cells were measured on: one two-turn conversation per row
+    (the human turn is the row's ``text``, the reply empty: the output length is fixed), the first ``n`` the
+    client keeps (:func:`sharegpt_prompts`' rule). Rows of ``format: chat`` are sent through the chat
+    template (``--apply-chat-template``), ``plain`` rows as they are; one suite has one format.
+
+    Returns:
+        ``(rows, chat_template)``: the kept prompts as :func:`sharegpt_prompts` returns them, and whether the
+        client must apply the chat template.
+
+    Raises:
+        ValueError: rows without ``text``, mixed formats, or fewer than ``n`` prompts fit ``context_len``.
+    """
+    formats = {r.get("format", "plain") for r in suite_rows}
+    if len(formats) != 1 or not formats <= {"plain", "chat"}:
+        raise ValueError(f"bench_serving prompts: one format per suite (plain or chat), got {sorted(map(str, formats))}")
+    missing = [r.get("id") for r in suite_rows if not isinstance(r.get("text"), str) or not r["text"]]
+    if missing:
+        raise ValueError(f"bench_serving prompts: rows {missing[:3]} have no text (the client sends text)")
+    chat = formats == {"chat"}
+    records = [{"id": r["id"], "conversations": [{"from": "human", "value": r["text"]}, {"from": "gpt", "value": ""}]}
+               for r in suite_rows]
+    kept, rows = _kept_conversations(records, tokenizer, n, output_len, context_len, chat)
+    return _write_kept(kept, rows, n, output_len, context_len, "workload prompts", out), chat
 
 
 def _client_env() -> dict[str, str]:
@@ -150,7 +195,8 @@ def _client_env() -> dict[str, str]:
 def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLike, dataset: str | os.PathLike,
                   work: str | os.PathLike, *, num_prompts: int = 8, output_len: int = 32, context_len: int = 512,
                   max_concurrency: int | None = 4, request_rate: float = math.inf, seed: int = 1234,
-                  chat_template: bool = False, timeout_s: float = 1800.0) -> dict[str, Any]:
+                  chat_template: bool = False, timeout_s: float = 1800.0,
+                  prompts_label: str = "ShareGPT prompts") -> dict[str, Any]:
     """Run SGLang's ``bench_serving`` (streaming, ``--backend vllm``) against a served arm and judge it.
 
     Args:
@@ -168,6 +214,8 @@ def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLik
         chat_template: wrap each prompt in the model's chat template (``--apply-chat-template``; pass
             whether the model's tokenizer has one).
         timeout_s: wall-clock limit of the client [s].
+        prompts_label: what ``dataset`` holds, for the detail sentence (:func:`workload_prompts` writes a
+            workload suite in the same format).
 
     Returns:
         ``ok``, ``detail`` and the row's columns: ``requests``, ``max_tokens``, ``tokens_exact``,
@@ -212,7 +260,7 @@ def bench_serving(server, model_dir: str | os.PathLike, python: str | os.PathLik
     failed = int(eng.counters["failed"]) - failed_before
     want_tokens = int(num_prompts) * int(output_len)
     ok = completed == int(num_prompts) and not errors and total_out == want_tokens and finite and failed == 0
-    detail = (f"sglang.bench_serving --backend vllm, streaming ShareGPT prompts"
+    detail = (f"sglang.bench_serving --backend vllm, streaming {prompts_label}"
               f"{' (chat template)' if templated else ''}, "
               f"{f'concurrency {int(max_concurrency)}' if max_concurrency else 'open loop'}"
               f"{'' if math.isinf(request_rate) else f' at {request_rate:g} req/s'}: {completed}/{int(num_prompts)} completed, {total_out}/{want_tokens} tokens, "

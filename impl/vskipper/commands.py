@@ -18,8 +18,10 @@ Settings: command-line flags; a flag left unset falls back to the optional confi
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from pathlib import Path
 
 from ..argtypes import fraction, nonneg_float, nonneg_int, positive_int
 
@@ -205,6 +207,24 @@ def cmd_vskipper_http_check(args) -> None:
     bench = v.http.bench_serving if v is not None else BenchServing()
     if args.sglang_python:
         bench = bench.model_copy(update={"python": args.sglang_python})
+    knee = None
+    if args.knee:  # bench_serving at a load point of the knee: an open-loop Poisson stream at factor x Q*
+        from .serving_commands import served_knee_fields
+
+        try:
+            knee = served_knee_fields(json.loads(Path(args.knee).read_text()), args.point)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"error: --knee {args.knee}: {type(e).__name__}: {e}")
+        n_knee = bench.knee_num_prompts or (v.requests if v is not None else bench.num_prompts)
+        bench = bench.model_copy(update={"request_rate": knee["rate"], "max_concurrency": None, "num_prompts": n_knee})
+    switch = None
+    if args.thresholds:  # the hybrid arm's mode switch from profile-mode's rule-derived thresholds
+        from .mode import ModeSwitch
+
+        try:
+            switch = ModeSwitch.from_thresholds(json.loads(Path(args.thresholds).read_text())["thresholds"]).to_dict()
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"error: --thresholds {args.thresholds}: {type(e).__name__}: {e}")
     checks = list(args.checks or (DEFAULT_CHECKS + (("bench_serving",) if args.sglang_python else ())))
     if args.skipper:
         specs = list(args.skipper)
@@ -222,14 +242,16 @@ def cmd_vskipper_http_check(args) -> None:
                     skippers=specs, n_prompts=args.n_prompts, max_tokens=args.max_tokens, limit=args.limit,
                     num_fewshot=num_fewshot, max_gen_toks=int(max_gen), checks=checks,
                     bench_serving=bench.model_dump() if "bench_serving" in checks else None,
-                    hybrid_switch=HYBRID_SWITCH, engine=None if engine is None else engine.model_dump(),
-                    data_dir=str(core.data_dir))
+                    hybrid_switch=switch or HYBRID_SWITCH, engine=None if engine is None else engine.model_dump(),
+                    data_dir=str(core.data_dir), bench_prompts=args.bench_prompts and str(args.bench_prompts),
+                    knee=knee, thresholds=args.thresholds and str(args.thresholds))
     prov = run_provenance(cfg)  # before the run: the git sha of the code that runs, not of a later commit
     t0 = time.perf_counter()
     rows = check_arms(args.model_dir, settings["arms"], specs, args.prompts, n_prompts=args.n_prompts,
                       max_tokens=args.max_tokens, data_dir=core.data_dir, limit=args.limit, num_fewshot=num_fewshot,
                       max_gen_toks=int(max_gen), engine=engine, label=args.label, dtype=core.dtype,
-                      device=core.device, seed=core.seed, checks=checks, bench=bench)
+                      device=core.device, seed=core.seed, checks=checks, bench=bench, switch=switch,
+                      bench_prompts=args.bench_prompts)
     wall = time.perf_counter() - t0
     summary = write_outputs(rows, args.out, args.summary,
                             extra=dict(label=args.label or str(args.model_dir).rstrip("/").split("/")[-1],
@@ -313,6 +335,13 @@ def register(add) -> None:
     sp.add_argument("--sglang-python", help="a Python with SGLang installed (.venv-sglang/bin/python from "
                                             "scripts/setup_sglang.sh): adds the bench_serving check to the "
                                             "default checks (its settings: vskipper.http.bench_serving)")
+    sp.add_argument("--bench-prompts", help="workload suite JSONL (rows with text) that bench_serving and the load "
+                    "generator send instead of the ShareGPT subset, e.g. the knee workload's prompts")
+    sp.add_argument("--knee", help="knee JSON (rule vskipper_knee): bench_serving runs open loop at --point x Q* "
+                    "(overrides vskipper.http.bench_serving.request_rate / max_concurrency)")
+    sp.add_argument("--point", default="knee", help="load point of --knee (a label of vskipper.load_points; default knee)")
+    sp.add_argument("--thresholds", help="profile-mode JSON of the FlexiDepth policy: the hybrid arm's mode switch "
+                    "(default: the check's fixed switch, HYBRID_SWITCH)")
     sp.add_argument("--n-prompts", type=positive_int, default=4, help="requests per client check (default 4)")
     sp.add_argument("--max-tokens", type=positive_int, default=16, help="tokens per ignore_eos request (default 16)")
     sp.add_argument("--limit", type=positive_int, default=4, help="GSM8K documents evaluated by lm-eval (default 4)")

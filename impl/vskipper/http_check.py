@@ -92,7 +92,7 @@ from impl.serving.metrics import request_metrics
 from impl.stats import welch_difference
 from impl.vskipper.quality_run import offline
 
-from .bench_serving import RESULT_KEYS, bench_serving, sglang_python_ok, sharegpt_prompts
+from .bench_serving import RESULT_KEYS, bench_serving, sglang_python_ok, sharegpt_prompts, workload_prompts
 from .engine import bind_skipper, generate_greedy, routed_cb_config, unbind_skipper
 from .mode import ModeController, ModeSwitch
 from .schema import SERVED_ARMS, BenchServing, Engine
@@ -565,18 +565,18 @@ def _has_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _check_bench_serving(server, model_dir: Path, tokenizer, bench: BenchServing, dataset: Path,
-                         prompts: list[dict], work: Path, seed: int) -> dict:
+def _check_bench_serving(server, model_dir: Path, bench: BenchServing, dataset: Path, prompts: list[dict], work: Path,
+                         seed: int, *, chat_template: bool, prompts_label: str, tokenizer) -> dict:
     """``bench_serving``: SGLang's own streaming benchmark client against the arm
-    (:func:`impl.vskipper.bench_serving.bench_serving`), with the chat template when the tokenizer has
-    one; at a Poisson rate without a concurrency cap (``request_rate`` set, ``max_concurrency`` null)
-    the project's load generator then replays the same prompts at the same rate and the two clients'
-    mean E2E / TTFT / TPOT are compared (:func:`_clients_agree`)."""
+    (:func:`impl.vskipper.bench_serving.bench_serving`) on ``dataset`` (ShareGPT, or a workload suite),
+    with the chat template when ``chat_template``; at a Poisson rate without a concurrency cap
+    (``request_rate`` set, ``max_concurrency`` null) the project's load generator then replays the same
+    prompts at the same rate and the two clients' mean E2E / TTFT / TPOT are compared (:func:`_clients_agree`)."""
     rate = math.inf if bench.request_rate is None else float(bench.request_rate)
     res = bench_serving(server, model_dir, bench.python, dataset, work, num_prompts=bench.num_prompts,
                         output_len=bench.output_len, context_len=bench.context_len,
                         max_concurrency=bench.max_concurrency, request_rate=rate, seed=seed,
-                        chat_template=_has_template(tokenizer))
+                        chat_template=chat_template, prompts_label=prompts_label)
     per = res.pop("per_request", None)
     if not res["ok"]:
         return res
@@ -652,6 +652,7 @@ def check_arms(
     seed: int = 1234,
     checks: Sequence[str] = DEFAULT_CHECKS,
     bench: BenchServing | None = None,
+    bench_prompts: str | os.PathLike | None = None,
     reference: ReferenceFn | None = None,
     log_fn: Callable[[str], None] | None = None,
 ) -> list[dict]:
@@ -682,6 +683,9 @@ def check_arms(
         checks: which of :data:`CHECKS` to run (default :data:`DEFAULT_CHECKS`).
         bench: the ``bench_serving`` check's settings (:class:`~impl.vskipper.schema.BenchServing`; its
             ``python`` is required with that check, ``data_dir`` too: the ShareGPT subset is read there).
+        bench_prompts: a frozen workload suite JSONL (rows with ``text``) that ``bench_serving`` and the
+            load generator send instead of ShareGPT (:func:`impl.vskipper.bench_serving.workload_prompts`),
+            e.g. the knee workload's prompts; None: the ShareGPT subset.
         reference: the in-process reference, called like :func:`in_process_reference` (default) with
             the client checks' prompts and request ids in the order the server sees them; tests pass a
             wrong one to see the checks fail.
@@ -732,10 +736,17 @@ def check_arms(
             ts = write_task_yamls(data_dir, work / "tasks", ["gsm8k"], opts)
             with offline():
                 ctx_.task_manager = TaskManager(include_path=str(ts.include_path), include_defaults=False)
-        if "bench_serving" in checks:
+        if "bench_serving" in checks and bench_prompts is not None:
+            ctx_.sharegpt = work / "workload.json"
+            ctx_.bench_prompts, ctx_.bench_chat = workload_prompts(
+                read_jsonl(bench_prompts), ctx_.tokenizer, bench.num_prompts, bench.output_len, bench.context_len,
+                ctx_.sharegpt)
+            ctx_.bench_label = f"prompts of {Path(bench_prompts).name}"
+        elif "bench_serving" in checks:
             ctx_.sharegpt = work / "sharegpt.json"
+            ctx_.bench_chat = _has_template(ctx_.tokenizer)
             ctx_.bench_prompts = sharegpt_prompts(data_dir, ctx_.tokenizer, bench.num_prompts, bench.output_len,
-                                                  bench.context_len, _has_template(ctx_.tokenizer), ctx_.sharegpt)
+                                                  bench.context_len, ctx_.bench_chat, ctx_.sharegpt)
         ctx_.work = work
         for arm, spec in runs:
             rows += _check_one_arm(ctx_, arm, spec, checks)
@@ -802,6 +813,8 @@ class _CheckContext:
     task_manager: Any = None
     sharegpt: Path | None = None
     bench_prompts: list[dict] | None = None
+    bench_chat: bool = False
+    bench_label: str = "ShareGPT prompts"
     work: Path | None = None
 
 
@@ -841,8 +854,8 @@ def _run_check(c: _CheckContext, server, check: str, rids: Mapping[str, list[str
     if check == "lm_eval":
         return _check_lm_eval(server, c.model_dir, c.task_manager, c.limit, c.seed)
     if check == "bench_serving":
-        return _check_bench_serving(server, c.model_dir, c.tokenizer, c.bench, c.sharegpt, c.bench_prompts, c.work,
-                                    c.seed)
+        return _check_bench_serving(server, c.model_dir, c.bench, c.sharegpt, c.bench_prompts, c.work, c.seed,
+                                    chat_template=c.bench_chat, prompts_label=c.bench_label, tokenizer=c.tokenizer)
     return _check_endpoints(server, c.prompts[0])
 
 

@@ -241,6 +241,12 @@ class BenchServing(Section):
                                                         "null: every model of the config")
     arms: Annotated[list[Literal[SERVED_ARMS]], Field(min_length=1, json_schema_extra=_UNIQUE)] = Field(  # type: ignore[valid-type]
         default_factory=lambda: list(SERVED_ARMS), description="arms measured (default: every served arm)")
+    knee: bool = Field(True, description="also at the knee (rule vskipper_knee_bench_serving): upstream and the hybrid "
+                                         "(FlexiDepth, its rule-derived thresholds) of vskipper.model, open loop at "
+                                         "the knee point x Q* of the first vSkipper workload, on that workload's "
+                                         "prompts, each compared with the project's load generator")
+    knee_num_prompts: PosInt | None = Field(None, description="measured requests per arm at the knee; null: "
+                                                              "vskipper.requests")
 
 
 class Http(Section):

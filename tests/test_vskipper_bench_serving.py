@@ -276,10 +276,12 @@ def test_knee_command_runs_on_the_workload_at_the_knee_rate(fake_python, tmp_pat
     knee = tmp_path / "knee.json"
     knee.write_text(json.dumps({"workload": "gsm8k", "load_factors": {"below": 0.75, "knee": 0.95}, "q_star": 20.0,
                                 "q_star_used": 20.0, "status": "bracketed"}))
-    thr = {"thresholds": {"min_prefill_tokens": 7, "min_skip_share": 0.05, "enter_threshold": 3}}
+    # prefill never routes (null: profile-mode found it unprofitable), decode from 3 rows
+    thr = {"thresholds": {"min_prefill_tokens": None, "min_skip_share": 0.05, "enter_threshold": 3}}
     (tmp_path / "thr.json").write_text(json.dumps(thr))
     base = [sys.executable, "-m", "impl", "vskipper-http-check", "--config-json", f"@{tmp_path / 'cfg.json'}",
-            "--quiet", "--model-dir", str(d), "--checks", "bench_serving", "--arms", "upstream",
+            "--quiet", "--model-dir", str(d), "--checks", "bench_serving", "--arms", "upstream", "hybrid",
+            "--skipper", "randomskip:r=0.5,d=0.5,seed=3",
             "--bench-prompts", str(suite), "--knee", str(knee), "--out", str(tmp_path / "o.csv"),
             "--summary", str(tmp_path / "o.json")]
     env = {**os.environ, "FAKE_ARGV": str(tmp_path / "argv.json"), "OMP_NUM_THREADS": "1"}
@@ -297,6 +299,8 @@ def test_knee_command_runs_on_the_workload_at_the_knee_rate(fake_python, tmp_pat
     summary = json.loads((tmp_path / "o.json").read_text())
     st = summary["settings"]
     assert st["knee"]["rate"] == pytest.approx(19.0) and st["bench_serving"]["num_prompts"] == 3
-    assert st["bench_prompts"] == str(suite) and st["hybrid_switch"]["min_prefill_tokens"] == 7
+    assert st["bench_prompts"] == str(suite) and st["hybrid_switch"]["min_prefill_tokens"] is None
+    assert st["hybrid_switch"]["enter_threshold"] == 3
+    assert summary["counts"]["PASS"] == 2, (tmp_path / "o.csv").read_text()  # upstream and the hybrid served
     rows = (tmp_path / "o.csv").read_text()
     assert "prompts of gsm8k.jsonl" in rows and "at 19 req/s" in rows

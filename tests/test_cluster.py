@@ -95,8 +95,8 @@ def test_profile_settings():
         assert "gres" not in str(r.get("slurm_extra", "")) and "gpus" not in str(r.get("slurm_extra", ""))
 
 
-#: rules a config must turn on (vskipper_bench_serving: vskipper.http.bench_serving.python, a Python with SGLang)
-OPT_IN_RULES = ("vskipper_bench_serving",)
+#: rules a config must turn on (vskipper.http.bench_serving.python, a Python with SGLang)
+OPT_IN_RULES = ("vskipper_bench_serving", "vskipper_knee_bench_serving")
 
 
 @pytest.mark.parametrize("extra", [["--configfile", "configs/smoke.yaml"], [],
@@ -116,9 +116,10 @@ def test_profile_dry_run(workdir, extra):
     expected = [r for r in ALL_RULES if not (not extra and r == "ead_shared") and not (extra and r == "train_head")
                 and (opt_in or r not in OPT_IN_RULES)]
     if not opt_in:
-        assert not re.search(r"^rule vskipper_bench_serving:", out, re.M)
+        assert not re.search(r"^rule vskipper_(knee_)?bench_serving:", out, re.M)
     else:
         assert len(re.findall(r"^rule vskipper_bench_serving:", out, re.M)) == 1  # models: [tiny-ls]
+        assert len(re.findall(r"^rule vskipper_knee_bench_serving:", out, re.M)) == 1  # vskipper.model at its knee
     for rule in expected:
         assert re.search(rf"^rule {rule}:", out, re.M), f"rule {rule} not in the dry-run plan"
     if not extra:

@@ -55,20 +55,15 @@ def test_schema_defaults_fill_in():
     assert again["vskipper"] == out["vskipper"]
 
 
-def _merge(base: dict, over: dict) -> dict:
-    """Snakemake's merge of --configfile files: nested keys of the later file replace the earlier's."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def test_smollm2_overlay_validates_with_capacity_knee():
-    base = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
-    over = yaml.safe_load((ROOT / "configs" / "vskipper_smollm2.yaml").read_text())
-    v = validate_config(_merge(base, over), check_paths=False)["vskipper"]
-    assert v["model"] == "smollm2" and v["knee"]["scale"] == "capacity" and v["knee"]["probe_requests"] == 4
-    assert v["workloads"] == base["vskipper"]["workloads"]  # the rest of the default is kept
+def test_default_runs_vskipper_on_smollm2_with_capacity_knee():
+    """The embedded default serves the real model, sized for 2 cores: capacity-relative knee grid, 16
+    requests per cell, BBH / CoQA prompts capped at 256 tokens, Table 6 pairs smollm2 with tiny-ls."""
+    out = validate_config(yaml.safe_load((ROOT / "configs" / "default.yaml").read_text()), check_paths=False)
+    v = out["vskipper"]
+    assert v["model"] == "smollm2" and v["workloads"] == ["gsm8k", "bbh", "coqa"] and v["requests"] == 16
+    assert v["knee"]["scale"] == "capacity" and v["knee"]["probe_requests"] == 4
+    assert v["cross_model"]["models"] == ["tiny-ls"] and "tiny-std" not in out["models"]
+    assert out["workloads"]["bbh"]["max_prompt_tokens"] == out["workloads"]["coqa"]["max_prompt_tokens"] == 256
 
 
 @pytest.mark.parametrize("section, key", [

@@ -10,6 +10,7 @@
 """
 
 import copy
+import json
 import math
 
 import pytest
@@ -85,6 +86,26 @@ def test_switch_config_and_ablations():
                                    promote=False)
     assert d.min_prefill_tokens == math.inf and d.enter_threshold == 7 and not d.promote
     assert d.to_dict()["min_prefill_tokens"] is None
+
+
+def test_switch_json_and_thresholds_file_round_trip(tmp_path):
+    """An infinite threshold survives the JSON form (None), and a thresholds file gives the same switch
+    whether it is profile-mode's whole JSON or the bare derive_thresholds() output."""
+    sw = ModeSwitch(min_prefill_tokens=math.inf, enter_threshold=66, initial_share=0.5, promote=False)
+    assert ModeSwitch.from_fields(json.loads(json.dumps(sw.to_dict()))) == sw
+    with pytest.raises(ValueError, match="no field 'enter'"):
+        ModeSwitch.from_fields({"enter": 3})
+    derived = {"min_prefill_tokens": None, "min_skip_share": 0.119, "probe_every": 64, "enter_threshold": 66}
+    (tmp_path / "profile.json").write_text(json.dumps({"policy": "flexidepth", "thresholds": derived}))
+    (tmp_path / "bare.json").write_text(json.dumps(derived))
+    a = ModeSwitch.from_profile(tmp_path / "profile.json")
+    assert a == ModeSwitch.from_profile(tmp_path / "bare.json") == ModeSwitch.from_thresholds(derived)
+    assert a.min_prefill_tokens == math.inf and a.enter_threshold == 66
+    assert ModeSwitch.from_profile(tmp_path / "bare.json", promote=False).promote is False
+    (tmp_path / "bad.json").write_text('{"policy": "flexidepth"}')
+    for bad in ("bad.json", "missing.json"):
+        with pytest.raises(ValueError, match=bad):
+            ModeSwitch.from_profile(tmp_path / bad)
 
 
 # -- the controller --------------------------------------------------------------------------------------

@@ -566,6 +566,23 @@ def test_bad_skipper_spec_refused_before_weights_load(model_dir, monkeypatch, sp
     check_skipper_spec("static:n_run=1,layers=1-3", 4)
 
 
+def test_switch_arguments_keep_infinite_thresholds(tmp_path):
+    """--thresholds (profile-mode JSON) and --switch (fields on top): a phase that never routes stays inf."""
+    derived = {"min_prefill_tokens": None, "min_skip_share": 0.1, "probe_every": 8, "enter_threshold": 66}
+    prof = tmp_path / "flexidepth.json"
+    prof.write_text(json.dumps({"thresholds": derived}))
+    sw = server_mod._switch_arg(None, str(prof))
+    assert sw == ModeSwitch.from_thresholds(derived) and sw.min_prefill_tokens == float("inf")
+    both = server_mod._switch_arg('{"enter_threshold": 4, "promote": false}', str(prof))
+    assert (both.min_prefill_tokens, both.enter_threshold, both.probe_every, both.promote) == (float("inf"), 4, 8, False)
+    assert server_mod._switch_arg('{"enter_threshold": null}', None).enter_threshold == float("inf")
+    assert server_mod._switch_arg(None, None) is None
+    with pytest.raises(ValueError, match="no field 'bogus'"):
+        server_mod._switch_arg('{"bogus": 1}', None)
+    with pytest.raises(ValueError, match="nope.json"):
+        server_mod._switch_arg(None, str(tmp_path / "nope.json"))
+
+
 def test_cli_prints_port_and_stops_on_sigterm(model_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "impl.vskipper.server", "--model", str(model_dir), "--arm",

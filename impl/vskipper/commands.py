@@ -217,18 +217,14 @@ def cmd_vskipper_http_check(args) -> None:
             raise SystemExit(f"error: --knee {args.knee}: {type(e).__name__}: {e}")
         n_knee = bench.knee_num_prompts or (v.requests if v is not None else bench.num_prompts)
         bench = bench.model_copy(update={"request_rate": knee["rate"], "max_concurrency": None, "num_prompts": n_knee})
-    switch = switch_json = None
+    switch = None
     if args.thresholds:  # the hybrid arm's mode switch from profile-mode's rule-derived thresholds
-        import dataclasses
-
         from .mode import ModeSwitch
 
         try:
-            sw = ModeSwitch.from_thresholds(json.loads(Path(args.thresholds).read_text())["thresholds"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"error: --thresholds {args.thresholds}: {type(e).__name__}: {e}")
-        # the fields as the server takes them (a threshold that never routes stays math.inf); JSON-able for the summary
-        switch, switch_json = dataclasses.asdict(sw), sw.to_dict()
+            switch = ModeSwitch.from_profile(args.thresholds)
+        except ValueError as e:
+            raise SystemExit(f"error: --thresholds: {e}")
     checks = list(args.checks or (DEFAULT_CHECKS + (("bench_serving",) if args.sglang_python else ())))
     if args.skipper:
         specs = list(args.skipper)
@@ -246,7 +242,7 @@ def cmd_vskipper_http_check(args) -> None:
                     skippers=specs, n_prompts=args.n_prompts, max_tokens=args.max_tokens, limit=args.limit,
                     num_fewshot=num_fewshot, max_gen_toks=int(max_gen), checks=checks,
                     bench_serving=bench.model_dump() if "bench_serving" in checks else None,
-                    hybrid_switch=switch_json or HYBRID_SWITCH, engine=None if engine is None else engine.model_dump(),
+                    hybrid_switch=(switch or HYBRID_SWITCH).to_dict(), engine=None if engine is None else engine.model_dump(),
                     data_dir=str(core.data_dir), bench_prompts=args.bench_prompts and str(args.bench_prompts),
                     knee=knee, thresholds=args.thresholds and str(args.thresholds))
     prov = run_provenance(cfg)  # before the run: the git sha of the code that runs, not of a later commit

@@ -132,8 +132,8 @@ COLUMNS = ("model", "arm", "skipper", "check", "verdict", "detail", "requests", 
            "bench_tpot_ms", "loadgen_tpot_ms", "wall_s")
 #: the hybrid arm's default mode switch (module docstring): routes every phase of every request at any
 #: load through the switch's planner, without timing-dependent probes
-HYBRID_SWITCH = dict(min_prefill_tokens=0, min_skip_share=0.0, probe_every=1_000_000, enter_threshold=1,
-                     initial_share=1.0)
+HYBRID_SWITCH = ModeSwitch(min_prefill_tokens=0, min_skip_share=0.0, probe_every=1_000_000, enter_threshold=1,
+                           initial_share=1.0)
 _LM_EVAL_METRIC = "exact_match,composite"
 _TIMEOUT_S = 300.0
 
@@ -198,7 +198,7 @@ def _cb_overrides(model_dir: Path, engine: Engine | None, n_prompts: int) -> tup
 # In-process reference
 # ======================================================================================================
 def in_process_reference(model_dir: str | os.PathLike, arm: str, skipper_spec: Any, prompts: Sequence[Sequence[int]],
-                         request_ids: Sequence[str], max_tokens: int, *, switch: Mapping[str, Any] | None = None,
+                         request_ids: Sequence[str], max_tokens: int, *, switch: ModeSwitch | None = None,
                          cb_overrides: Mapping[str, Any] | None = None, dtype: str = "float32",
                          device: str = "cpu") -> list[list[int]]:
     """The greedy token ids the arm produces in process, one prompt per engine call in order.
@@ -217,7 +217,7 @@ def in_process_reference(model_dir: str | os.PathLike, arm: str, skipper_spec: A
         skipper_spec: the routed arms' policy (:func:`~impl.vskipper.spec.parse_skipper_spec`).
         prompts, request_ids: the requests (the ids matter to RandomSkip).
         max_tokens: tokens per request.
-        switch: ``ModeSwitch`` fields of the hybrid arm (default :data:`HYBRID_SWITCH`).
+        switch: the hybrid arm's :class:`~impl.vskipper.mode.ModeSwitch` (default :data:`HYBRID_SWITCH`).
         cb_overrides: :func:`~impl.vskipper.engine.routed_cb_config` overrides (as the server's).
 
     Raises:
@@ -239,7 +239,7 @@ def in_process_reference(model_dir: str | os.PathLike, arm: str, skipper_spec: A
         return out
     bind_skipper(model, parse_skipper_spec(skipper_spec, model))
     try:
-        sw = ModeSwitch(**dict(HYBRID_SWITCH if switch is None else switch))
+        sw = HYBRID_SWITCH if switch is None else switch
         planner = None if arm == "always-route" else ModeController(sw.ablation(_switch_setting(arm)))
         for p, rid in zip(prompts, request_ids):
             out += generate_greedy(model, [p], max_new_tokens=int(max_tokens), mode="routed", request_ids=[rid],
@@ -644,7 +644,7 @@ def check_arms(
     limit: int = 4,
     num_fewshot: int | None = None,
     max_gen_toks: int = 32,
-    switch: Mapping[str, Any] | None = None,
+    switch: ModeSwitch | None = None,
     engine: Engine | None = None,
     label: str | None = None,
     dtype: str = "float32",
@@ -673,7 +673,7 @@ def check_arms(
         limit: GSM8K documents evaluated by lm-eval.
         num_fewshot: GSM8K few-shot examples (None: the task's 5).
         max_gen_toks: lm-eval's generation budget per document, tokens.
-        switch: ``ModeSwitch`` fields of the hybrid arm (default :data:`HYBRID_SWITCH`).
+        switch: the hybrid arm's :class:`~impl.vskipper.mode.ModeSwitch` (default :data:`HYBRID_SWITCH`).
         engine: the typed ``vskipper.engine`` section (:class:`~impl.vskipper.schema.Engine`: ``page_size``,
             ``num_blocks``, ``max_batch_tokens``, ``max_requests_per_batch``), the same for every arm and
             the reference (None: transformers' defaults, page size 64).
@@ -722,7 +722,7 @@ def check_arms(
     in_flight = max(len(prompts), (bench.max_concurrency or bench.num_prompts) if "bench_serving" in checks else 1)
     cb, ctx = _cb_overrides(model_dir, engine, in_flight)
     ctx_ = _CheckContext(model_dir=model_dir, label=label, prompts=prompts, max_tokens=int(max_tokens),
-                         switch=dict(HYBRID_SWITCH if switch is None else switch), cb=cb, max_model_len=ctx,
+                         switch=HYBRID_SWITCH if switch is None else switch, cb=cb, max_model_len=ctx,
                          dtype=dtype, device=device, tokenizer=load_tokenizer(model_dir), limit=limit, seed=seed,
                          bench=bench, reference=reference or in_process_reference, say=say)
     runs = [(a, None) for a in arms if a == "upstream"] + [(a, s) for s in specs for a in arms if a != "upstream"]
@@ -799,7 +799,7 @@ class _CheckContext:
     label: str
     prompts: list[list[int]]
     max_tokens: int
-    switch: dict
+    switch: ModeSwitch
     cb: dict
     max_model_len: int | None
     dtype: str

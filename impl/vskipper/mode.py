@@ -50,12 +50,16 @@ as Sec. 3.3 states). N is ``min_prefill_tokens`` for prefill (rows = prompt toke
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
-from typing import Sequence
+from dataclasses import fields as dataclass_fields
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -76,6 +80,10 @@ __all__ = [
 
 #: names accepted by :meth:`ModeSwitch.ablation` (the served hybrid and the mechanism ablations)
 ABLATIONS = ("served", "always-route", "never-route", "prefill-only", "decode-only", "no-promotion")
+
+
+#: the thresholds that may be ``math.inf`` (None in JSON)
+_INF_FIELDS = ("min_prefill_tokens", "enter_threshold")
 
 
 def _finite_or_none(x):
@@ -147,6 +155,38 @@ class ModeSwitch:
         )
         kw.update(overrides)
         return cls(**kw)
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> "ModeSwitch":
+        """A switch from its JSON form (:meth:`to_dict`, or any subset of the fields): a None threshold
+        (``min_prefill_tokens``, ``enter_threshold``) becomes ``math.inf``, so an infinite threshold
+        round-trips through JSON.
+
+        Raises:
+            ValueError: for a field the switch does not have (named) or a value out of range.
+        """
+        unknown = sorted(set(fields) - {f.name for f in dataclass_fields(cls)})
+        if unknown:
+            raise ValueError(f"ModeSwitch has no field {', '.join(map(repr, unknown))}")
+        return cls(**{k: (math.inf if v is None and k in _INF_FIELDS else v) for k, v in fields.items()})
+
+    @classmethod
+    def from_profile(cls, path: str | os.PathLike, **overrides) -> "ModeSwitch":
+        """The switch a thresholds file selects: profile-mode's JSON (its ``thresholds`` entry, the
+        output of :func:`derive_thresholds`) or a bare :func:`derive_thresholds` output; see
+        :meth:`from_thresholds` (None thresholds become ``math.inf``). ``overrides`` set any field.
+
+        Raises:
+            ValueError: naming the file, when it cannot be read, is not JSON or has no thresholds.
+        """
+        try:
+            doc = json.loads(Path(path).read_text())
+            derived = doc["thresholds"] if isinstance(doc, dict) and isinstance(doc.get("thresholds"), dict) else doc
+            if not isinstance(derived, dict) or "min_skip_share" not in derived:
+                raise KeyError("thresholds (profile-mode JSON) or min_skip_share (derive_thresholds output)")
+            return cls.from_thresholds(derived, **overrides)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"thresholds file {path}: {type(e).__name__}: {e}") from e
 
     def ablation(self, name: str) -> "ModeSwitch":
         """This switch under a named mechanism setting (Sec. 4.2, Table 3).

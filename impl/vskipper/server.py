@@ -21,7 +21,6 @@ made 8 requests of 32 tokens take 79 s instead of 0.7 s.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -141,7 +140,7 @@ def serve(model_dir: str | Path, arm: str = "hybrid", skipper_spec: Any = None, 
     model = load_model(model_dir, dtype=_dtype(dtype)).to(device)
     tokenizer = load_tokenizer(model_dir)
     if isinstance(switch, Mapping):
-        switch = ModeSwitch(**dict(switch))
+        switch = ModeSwitch.from_fields(switch)
     skipper = parse_skipper_spec(skipper_spec, model) if skipper_spec is not None else None
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     ctx = int(getattr(cfg, "max_position_embeddings", 0) or DEFAULT_MAX_MODEL_LEN)
@@ -197,15 +196,18 @@ def _cb_kv(items: Sequence[str]) -> dict:
 
 
 def _switch_arg(switch: str | None, thresholds: str | None) -> ModeSwitch | None:
-    sw = None
-    if thresholds:
-        sw = ModeSwitch.from_thresholds(json.loads(Path(thresholds).read_text()))
+    """``--switch`` / ``--thresholds`` -> the switch (None: neither given). ``--thresholds``: a profile-mode
+    JSON or a bare derive_thresholds() output (:meth:`ModeSwitch.from_profile`); ``--switch``: fields as
+    a JSON object or file (None thresholds: never reached), on top of ``--thresholds`` when both are given."""
+
+    sw = ModeSwitch.from_profile(thresholds) if thresholds else None
     if switch:
-        text = Path(switch).read_text() if Path(switch).is_file() else switch
-        fields = json.loads(text)
-        fields = {k: (math.inf if v is None and k in ("min_prefill_tokens", "enter_threshold") else v)
-                  for k, v in fields.items()}
-        sw = ModeSwitch(**fields) if sw is None else dataclasses.replace(sw, **fields)
+        fields = json.loads(Path(switch).read_text() if Path(switch).is_file() else switch)
+        if not isinstance(fields, dict):
+            raise ValueError(f"--switch: expected a JSON object of ModeSwitch fields, got {type(fields).__name__}")
+        if sw is not None:
+            fields = {**sw.to_dict(), **fields}
+        sw = ModeSwitch.from_fields(fields)
     return sw
 
 
@@ -223,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--port", type=port, default=0, help="0: any free port (printed)")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--switch", default=None, help="ModeSwitch fields as a JSON object or a JSON file")
-    ap.add_argument("--thresholds", default=None, help="derive_thresholds() output (JSON file) for the switch")
+    ap.add_argument("--thresholds", default=None,
+                    help="profile-mode JSON (or a bare derive_thresholds() output) for the switch")
     ap.add_argument("--cb", action="append", default=[], metavar="KEY=VALUE",
                     help="continuous-batching config override (repeatable), e.g. --cb num_blocks=512")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -387,8 +387,7 @@ def cmd_serve_cell(args) -> None:
                                 f"{knee['message']}", **prov}])
         log.warning("%s/%s skipped: knee not bracketed", args.workload, args.point)
         return
-    thr = _read_json(args.thresholds)
-    switch = ModeSwitch.from_thresholds(thr["thresholds"])
+    switch = ModeSwitch.from_profile(args.thresholds)
     model = _load_model(cfg, args.model_dir)
     skipper = _load_skipper(args.flexidepth, model)
     reqs = _requests(v, args.prompts, None)
@@ -436,7 +435,7 @@ def cmd_randomskip_map(args) -> None:
     if knee["status"] != "ok" and knee.get("on_boundary") == "skip":
         write_jsonl(args.out, [{"kind": "skipped", **base, "reason": f"knee not bracketed ({knee['status']})", **prov}])
         return
-    shared = _read_json(args.shared_thresholds)
+    shared = ModeSwitch.from_profile(args.shared_thresholds)
     rnd = _read_json(args.random_thresholds)
     grid = {(g["r"], g["d"]): g for g in rnd["grid"]}
     model = _load_model(cfg, args.model_dir)
@@ -454,7 +453,7 @@ def cmd_randomskip_map(args) -> None:
             sk = RandomSkip(rnd["routed_layers"], r=r, d=d, seed=rs.seed, layer_choice=rs.layer_choice)
             bound = bind_skipper(copy.deepcopy(model), sk)
             switches = {"always-route": ModeSwitch(always_route=True),
-                        "shared": ModeSwitch.from_thresholds(shared["thresholds"]),
+                        "shared": shared,
                         "per-policy": ModeSwitch.from_thresholds(g["thresholds"])}
             arms = {UPSTREAM: upstream}
             for name, sw in switches.items():
@@ -674,8 +673,7 @@ def cmd_quality_served(args) -> None:
     if not reqs:
         reject("no requests", ValueError(f"{args.requests} has no document requests (the quality cell was rejected?)"))
         return
-    thr = _read_json(args.thresholds)
-    switch = ModeSwitch.from_thresholds(thr["thresholds"])
+    switch = ModeSwitch.from_profile(args.thresholds)
     pads = read_jsonl(args.prompts) if args.prompts else []
     n_req = v.requests if sv.requests is None else int(sv.requests)
     work = Path(args.work_dir)

@@ -695,6 +695,7 @@ COMMANDS: Registry = Registry("command family")
 COMMANDS.register("tev", "impl.tev.commands:register")
 COMMANDS.register("vskipper-serving", "impl.vskipper.serving_commands:register")
 COMMANDS.register("vskipper-bench", "impl.vskipper.commands:register")
+COMMANDS.register("sglang", "impl.vskipper.sglang_check:register")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -126,6 +126,7 @@ LAZY_IMPORTS = {
     # command modules: a command imports what it runs (`python -m impl --help` and the DAG's parse
     # read no torch)
     "impl/cli.py", "impl/tev/commands.py", "impl/vskipper/commands.py", "impl/vskipper/serving_commands.py",
+    "impl/vskipper/sglang_check.py",
     # each section imports its method, so one that fails on a device's versions is reported, not fatal
     "impl/gpu_check.py",
     # torch-free modules with one function that needs torch / transformers

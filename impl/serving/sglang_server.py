@@ -32,6 +32,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -180,8 +181,6 @@ class SGLangServer:
             raise FileNotFoundError(f"no model directory at {self.launch.model_dir} (config.json missing)")
         self.port = int(self.launch.port) or _free_port(self.launch.host)
         if self.log_path is None:
-            import tempfile
-
             self.log_path = Path(tempfile.mkstemp(prefix="sglang_server_", suffix=".log")[1])
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()

@@ -25,7 +25,10 @@ from impl.vskipper.sglang_check import check_greedy_against_transformers, compar
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
-needs_sglang = pytest.mark.skipif(not SGLANG_PY.exists(), reason="no SGLang environment (scripts/setup_sglang.sh)")
+#: the install stamp scripts/setup_sglang.sh writes last: an interpreter alone may be a half-done install
+SGLANG_READY = any((ROOT / ".venv-sglang").glob(".installed-sglang-*"))
+needs_sglang = pytest.mark.skipif(not (SGLANG_PY.exists() and SGLANG_READY),
+                                  reason="no SGLang environment (scripts/setup_sglang.sh)")
 
 
 # -- command line and environment --------------------------------------------------------------------------

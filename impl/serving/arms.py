@@ -197,10 +197,13 @@ class HTTPCompletionsArm(Arm):
 
     What HTTP gives and does not give (record rows are the same shape as the in-process arm's):
 
-    * the request carries ``prompt`` as *text*: transformers' handler rejects non-string prompts
-      and re-tokenizes, so ``input_ids`` are turned into text by ``detokenize`` and the server's
-      prompt token count (``usage.prompt_tokens``) is recorded; it may differ from
-      ``len(input_ids)`` (e.g. a BOS the server adds, vSkipper App. E.1);
+    * the request carries ``prompt`` as *text* when ``detokenize`` is given: transformers' handler
+      rejects non-string prompts and re-tokenizes, so ``input_ids`` are turned into text by
+      ``detokenize`` and the server's prompt token count (``usage.prompt_tokens``) is recorded; it may
+      differ from ``len(input_ids)`` (e.g. a BOS the server adds, vSkipper App. E.1). With
+      ``detokenize=None`` the prompt is sent as the token-id list itself (the OpenAI API's
+      ``prompt: list[int]``, which SGLang, vLLM and the project's server accept), so the engine sees
+      exactly ``input_ids``;
     * token times are the client's receive times of the streamed text chunks
       (``timestamp_source="chunk"``): one per chunk, and a chunk may carry several tokens or none
       (the EOS has no text); the output token count comes from the final chunk's
@@ -220,7 +223,7 @@ class HTTPCompletionsArm(Arm):
         base_url: server root, e.g. ``"http://127.0.0.1:8000"``.
         model: the ``model`` field of every request.
         detokenize: callable turning prompt token ids into the prompt text (e.g.
-            ``lambda ids: tokenizer.decode(ids)``).
+            ``lambda ids: tokenizer.decode(ids)``), or None to send the token ids.
         name: arm name used in result rows.
         ignore_eos_via: ``"generation_config"``, ``"field"`` or None (see above).
         request_timeout_s: socket timeout of each request, seconds.
@@ -231,7 +234,8 @@ class HTTPCompletionsArm(Arm):
             streamed chunks and the prompt token count is unknown (None).
     """
 
-    def __init__(self, base_url: str, model: str, *, detokenize: Callable[[list[int]], str], name: str = "http",
+    def __init__(self, base_url: str, model: str, *, detokenize: Callable[[list[int]], str] | None,
+                 name: str = "http",
                  ignore_eos_via: str | None = "generation_config", request_timeout_s: float = 600.0,
                  extra_body: Mapping[str, Any] | None = None, include_usage: bool = False):
         if ignore_eos_via not in ("generation_config", "field", None):
@@ -272,7 +276,8 @@ class HTTPCompletionsArm(Arm):
             NotImplementedError: for ``ignore_eos`` when ``ignore_eos_via`` is None.
         """
         n = int(max_new_tokens)
-        body: dict[str, Any] = {"model": self.model, "prompt": self.detokenize([int(t) for t in input_ids]),
+        ids = [int(t) for t in input_ids]
+        body: dict[str, Any] = {"model": self.model, "prompt": ids if self.detokenize is None else self.detokenize(ids),
                                 "max_tokens": n, "temperature": 0.0, "stream": True}
         if self.include_usage:
             body["stream_options"] = {"include_usage": True}
@@ -383,4 +388,5 @@ class HTTPCompletionsArm(Arm):
     def describe(self) -> dict[str, Any]:
         """Declared settings: endpoint, model, ignore-EOS route, extra body fields."""
         return {"arm": self.name, "kind": type(self).__name__, "endpoint": f"{self.base_url}/v1/completions",
-                "model": self.model, "ignore_eos_via": self.ignore_eos_via, "extra_body": simple(self.extra_body)}
+                "model": self.model, "ignore_eos_via": self.ignore_eos_via, "extra_body": simple(self.extra_body),
+                "prompt_as": "token_ids" if self.detokenize is None else "text"}

@@ -27,6 +27,11 @@ Keys (units in brackets):
 - ``engine``: transformers continuous-batching settings shared by every arm: ``page_size`` [tokens],
   ``num_blocks`` (null: enough pages for every request of a run at once), ``max_batch_tokens``
   [tokens per forward], ``max_requests_per_batch``.
+- ``engines``: the serving engine of each arm family: ``upstream`` is ``transformers`` (in process, the
+  default) or ``sglang`` (upstream SGLang's own server, started from ``vskipper.sglang``: ``python``,
+  ``attention_backend``, ``max_total_tokens`` [tokens], ``ready_timeout_s`` [s], ``extra_args``); the
+  knee sweep and every serving cell then drive it over HTTP with token-id prompts; ``routed`` is
+  ``transformers`` only for now.
 - ``knee``: the Q* sweep on the upstream arm under natural generation: ``rates`` (>= 3, increasing),
   absolute [req/s] with ``scale: absolute`` or multiples of the upstream arm's serial capacity
   (``1 / mean E2E`` of ``probe_requests`` requests served one at a time,
@@ -138,6 +143,33 @@ class Engine(Section):
     num_blocks: PosInt | None = Field(None, description="null: enough pages for every request of a run at once")
     max_batch_tokens: Annotated[int, Field(ge=16)] = Field(2048, description="[tokens per forward]")
     max_requests_per_batch: PosInt = 64
+
+
+class Engines(Section):
+    """``vskipper.engines``: the serving engine of each arm family (issue "Upstream SGLang as a real engine
+    arm")."""
+
+    upstream: Literal["transformers", "sglang"] = Field(
+        "transformers", description="transformers: the unmodified model on transformers' continuous batching "
+                                    "(in process); sglang: upstream SGLang's own server (vskipper.sglang), driven "
+                                    "over HTTP by the same protocol (knee, matched work, paired repetitions)")
+    routed: Literal["transformers"] = Field(
+        "transformers", description="the routed arms (hybrid, always-route, ablations): transformers only "
+                                    "(vSkipper as an out-of-tree SGLang model is not built yet)")
+
+
+class Sglang(Section):
+    """``vskipper.sglang``: how the SGLang server of an ``sglang`` arm family starts
+    (:class:`impl.serving.sglang_server.SGLangLaunch`)."""
+
+    python: str = Field(".venv-sglang/bin/python", description="the SGLang environment's interpreter "
+                                                                "(scripts/setup_sglang.sh)")
+    attention_backend: str | None = Field(None, description="--attention-backend; null: torch_native on CPU, "
+                                                            "SGLang's choice on CUDA")
+    max_total_tokens: PosInt | None = Field(16384, description="KV-cache size [tokens]; null: SGLang's own "
+                                                               "sizing (GPU only)")
+    ready_timeout_s: PosNum = Field(900.0, description="start-up limit [s]")
+    extra_args: list[str] = Field([], description="further launch_server arguments, verbatim")
 
 
 class Knee(Section):
@@ -331,6 +363,8 @@ class VskipperSection(Section):
         {"below": 0.75, "knee": 0.95, "overload": 1.25}, description="label -> multiple of Q*")
     timeout_s: PosNum = 300.0
     engine: Engine = Field(default_factory=Engine)
+    engines: Engines = Field(default_factory=Engines)
+    sglang: Sglang = Field(default_factory=Sglang)
     knee: Knee = Field(default_factory=Knee)
     flexidepth: FlexiDepth = Field(default_factory=FlexiDepth)
     profile: Profile = Field(default_factory=Profile)
@@ -540,6 +574,13 @@ def _check_bench_serving(cfg: dict[str, Any], v: dict[str, Any]) -> None:
             raise _error(f"'vskipper.http.bench_serving.models[{i}]' names '{m}', which is not a key of 'models'")
 
 
+def _check_engines(cfg: dict[str, Any], v: dict[str, Any]) -> None:
+    if v["engines"]["upstream"] == "sglang" and not Path(v["sglang"]["python"]).is_file():
+        raise _error(f"'vskipper.engines.upstream' = 'sglang' needs 'vskipper.sglang.python' = "
+                     f"'{v['sglang']['python']}', which is not a file (create the SGLang environment with "
+                     "scripts/setup_sglang.sh)")
+
+
 def check(cfg: dict[str, Any]) -> None:
     """Cross-checks of the merged ``vskipper`` section against the whole config.
 
@@ -551,7 +592,8 @@ def check(cfg: dict[str, Any]) -> None:
     ``cross_model.workload`` / ``point`` name a load workload / load point when a target is given); for tiny models,
     ``vskipper.flexidepth.routed_layers`` lie in ``[0, tiny_arch.num_layers)``, and the longest request
     (``max_prompt_tokens + vskipper.max_new_tokens``) and ``vskipper.profile.decode_context + 1`` fit the
-    context; ``vskipper.http.bench_serving.python``, when set, is an existing file (the SGLang
+    context; ``vskipper.sglang.python`` is an existing file when ``vskipper.engines.upstream`` is
+    ``sglang``; ``vskipper.http.bench_serving.python``, when set, is an existing file (the SGLang
     environment of ``scripts/setup_sglang.sh``) and its ``models[i]`` are keys of ``models``.
 
     Raises:
@@ -560,6 +602,7 @@ def check(cfg: dict[str, Any]) -> None:
     v = cfg["vskipper"]
     v.setdefault("load_points", dict(DEFAULT_LOAD_POINTS))
     _check_bench_serving(cfg, v)
+    _check_engines(cfg, v)
     _check_bench_models(cfg, v)
     if v.get("quality") is not None:
         _check_quality(cfg, v)

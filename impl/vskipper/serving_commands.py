@@ -124,6 +124,45 @@ def _prov(cfg: dict) -> dict:
     return run_provenance(cfg)
 
 
+def upstream_arm(cfg: dict, model, model_dir, cb):
+    """The upstream arm of every serving comparison, on the engine ``vskipper.engines.upstream`` names:
+    ``transformers`` (the unbound ``model`` on transformers' continuous batching, in process) or
+    ``sglang`` (upstream SGLang's server on ``model_dir``, started on the arm's first run, on the
+    config's device, dtype and thread count, from ``vskipper.sglang``; close it with ``.close()``).
+
+    Args:
+        cfg: the validated config. model: the loaded base model (transformers only).
+        model_dir: the model's Hugging Face directory (SGLang loads it itself). cb: the shared
+        continuous-batching config (transformers only).
+
+    Returns:
+        an :class:`~impl.serving.arms.Arm` named ``upstream``.
+    """
+    v = vskipper_section(cfg)
+    if v.engines.upstream == "transformers":
+        from impl.serving.inprocess import ContinuousBatchingArm
+
+        return ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)
+    from impl.serving.sglang_arm import SGLangArm
+    from impl.serving.sglang_server import SGLangLaunch
+
+    core = core_config(cfg)
+    sg = v.sglang
+    launch = SGLangLaunch(model_dir=model_dir, python=sg.python, device=core.device.split(":")[0],
+                          dtype=core.dtype, max_total_tokens=sg.max_total_tokens,
+                          attention_backend=sg.attention_backend, threads=core.threads,
+                          extra_args=tuple(sg.extra_args))
+    return SGLangArm(launch, name=UPSTREAM, ready_timeout_s=sg.ready_timeout_s, request_timeout_s=v.timeout_s)
+
+
+def close_arms(arms) -> None:
+    """Shut down every arm that owns a server process (:class:`~impl.serving.sglang_arm.SGLangArm`)."""
+    for arm in arms:
+        close = getattr(arm, "close", None)
+        if close is not None:
+            close()
+
+
 # --------------------------------------------------------------------------------------------- train
 def cmd_train_flexidepth(args) -> None:
     """Stage-1 FlexiDepth training on the frozen base model; writes the checkpoint and a summary."""
@@ -272,19 +311,26 @@ def knee_outcome(rates, tps, eps: float) -> dict:
 
 def cmd_knee(args) -> None:
     """Q* sweep on the upstream arm (natural generation) -> JSON with rows, status and load points."""
-    from impl.provenance import write_json
-
-    from impl.serving.inprocess import ContinuousBatchingArm
-    from impl.serving.knee import capacity_rates, knee_sweep, load_points, serial_capacity
-    from impl.serving.protocol import cell_seed
-
     cfg = _cfg_threads(args)
     core = core_config(cfg)
     v = vskipper_section(cfg)
     kn = v.knee
-    model = _load_model(cfg, args.model_dir)
+    model = _load_model(cfg, args.model_dir) if v.engines.upstream == "transformers" else None
     reqs = _requests(v, args.prompts, kn.requests)
-    arm = ContinuousBatchingArm(model, UPSTREAM, cb_config=cb_config_for(v.engine, reqs))
+    arm = upstream_arm(cfg, model, args.model_dir, cb_config_for(v.engine, reqs))
+    try:
+        _knee(args, cfg, core, v, arm, reqs)
+    finally:
+        close_arms([arm])
+
+
+def _knee(args, cfg, core, v, arm, reqs) -> None:
+    from impl.provenance import write_json
+
+    from impl.serving.knee import capacity_rates, knee_sweep, load_points, serial_capacity
+    from impl.serving.protocol import cell_seed
+
+    kn = v.knee
     seed = cell_seed(core.seed, args.workload, "knee-sweep")
     probe = None
     rates = list(kn.rates)
@@ -310,7 +356,8 @@ def cmd_knee(args) -> None:
            "rates": rates, "rate_scale": kn.scale, "rate_factors": list(kn.rates) if probe else None,
            "serial_capacity": probe, "eps": kn.eps, "schedule_seed": seed, "on_boundary": kn.on_boundary,
            **outcome, "load_points": load_points(outcome["q_star_used"], v.load_points),
-           "load_factors": dict(v.load_points), "rows": rows, **_prov(cfg)}
+           "load_factors": dict(v.load_points), "engine": v.engines.upstream, "arm_settings": arm.describe(),
+           "rows": rows, **_prov(cfg)}
     if outcome["status"] != "ok":
         log.warning("knee of %s not bracketed (%s): %s", args.workload, outcome["status"], outcome["message"])
     write_json(args.out, out)
@@ -319,7 +366,7 @@ def cmd_knee(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------- serving
-def build_served_arms(model, skipper, switch, names, cb) -> dict:
+def build_served_arms(model, skipper, switch, names, cb, *, upstream=None) -> dict:
     """The arms of a serving cell: ``upstream`` (the unbound ``model`` on the unmodified engine) and,
     on one deep copy of the model bound to ``skipper``, the served hybrid ``vskipper`` (``switch``) and
     any mechanism ablation in ``names`` (``switch.ablation(name)``); each run of a routed arm starts
@@ -329,6 +376,7 @@ def build_served_arms(model, skipper, switch, names, cb) -> dict:
         model: the base causal LM (left unbound). skipper: the policy. switch: the served
         :class:`~impl.vskipper.mode.ModeSwitch`. names: routed arm names (``vskipper`` and/or
         :data:`impl.vskipper.schema.ABLATION_ARMS`). cb: the shared continuous-batching config.
+        upstream: the upstream arm (:func:`upstream_arm`); None: ``model`` on transformers.
 
     Returns:
         ``{name: ContinuousBatchingArm}``, upstream first.
@@ -337,7 +385,7 @@ def build_served_arms(model, skipper, switch, names, cb) -> dict:
     from impl.vskipper import bind_skipper, routed_context
     from impl.vskipper.mode import ModeController
 
-    arms = {UPSTREAM: ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)}
+    arms = {UPSTREAM: upstream if upstream is not None else ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)}
     bound = bind_skipper(copy.deepcopy(model), skipper)
     for name in names:
         sw = switch if name == SERVED else switch.ablation(name)
@@ -368,9 +416,6 @@ def cmd_serve_cell(args) -> None:
     from impl.provenance import write_jsonl
     from impl.vskipper.mode import ModeSwitch
 
-    from impl.serving.matched import MatchedWorkError
-    from impl.serving.protocol import CellError, CellSpec, run_protocol, stamp_rows
-
     cfg = _cfg_threads(args)
     core = core_config(cfg)
     v = vskipper_section(cfg)
@@ -380,7 +425,7 @@ def cmd_serve_cell(args) -> None:
                          f"({', '.join(knee['load_factors'])})")
     kf = _knee_fields(knee, args.point)
     base = {"experiment": args.experiment, "workload": args.workload, "model": v.model, "policy": "flexidepth",
-            "cell": args.point, **kf}
+            "cell": args.point, "upstream_engine": v.engines.upstream, **kf}
     prov = _prov(cfg)
     if knee["status"] != "ok" and knee.get("on_boundary") == "skip":
         write_jsonl(args.out, [{"kind": "skipped", **base, "reason": f"knee not bracketed ({knee['status']}): "
@@ -393,7 +438,24 @@ def cmd_serve_cell(args) -> None:
     reqs = _requests(v, args.prompts, None)
     cb = cb_config_for(v.engine, reqs)
     names = [SERVED] + [a for a in (args.arms or []) if a != SERVED]
-    arms = build_served_arms(model, skipper, switch, names, cb)
+    arms = build_served_arms(model, skipper, switch, names, cb,
+                             upstream=upstream_arm(cfg, model, args.model_dir, cb))
+    try:
+        rows = _serve_lanes(args, cfg, core, v, arms, reqs, kf, base, prov)
+    finally:
+        close_arms(arms.values())
+    for r in rows:  # the switch each routed arm ran under, on its cell rows
+        if r.get("kind") == "cell" and r["arm"] != UPSTREAM:
+            r["switch"] = (switch if r["arm"] == SERVED else switch.ablation(r["arm"])).to_dict()
+    write_jsonl(args.out, rows)
+    log.info("%s/%s (%.4g req/s, knee %s): %d rows -> %s", args.workload, args.point, kf["rate"], knee["status"],
+             len(rows), args.out)
+
+
+def _serve_lanes(args, cfg, core, v, arms, reqs, kf, base, prov) -> list[dict]:
+    from impl.serving.matched import MatchedWorkError
+    from impl.serving.protocol import CellError, CellSpec, run_protocol, stamp_rows
+
     reps = args.repetitions or v.repetitions
     lanes = args.lanes or v.lanes
     spec = CellSpec(args.workload, args.point, kf["rate"], tuple(reqs))
@@ -407,12 +469,7 @@ def cmd_serve_cell(args) -> None:
         except (CellError, MatchedWorkError) as e:
             log.error("%s/%s lane %s rejected: %s", args.workload, args.point, lane, e)
             rows += stamp_rows([{**r, **base} for r in _rejected(e, {**base, "lane": lane})], prov)
-    for r in rows:  # the switch each routed arm ran under, on its cell rows
-        if r.get("kind") == "cell" and r["arm"] != UPSTREAM:
-            r["switch"] = (switch if r["arm"] == SERVED else switch.ablation(r["arm"])).to_dict()
-    write_jsonl(args.out, rows)
-    log.info("%s/%s (%.4g req/s, knee %s): %d rows -> %s", args.workload, args.point, kf["rate"], knee["status"],
-             len(rows), args.out)
+    return rows
 
 
 def cmd_randomskip_map(args) -> None:
@@ -430,7 +487,8 @@ def cmd_randomskip_map(args) -> None:
     rs = v.randomskip
     knee = _read_json(args.knee)
     kf = _knee_fields(knee, rs.point)
-    base = {"experiment": "randomskip", "workload": args.workload, "model": v.model, "cell": rs.point, **kf}
+    base = {"experiment": "randomskip", "workload": args.workload, "model": v.model, "cell": rs.point,
+            "upstream_engine": v.engines.upstream, **kf}
     prov = _prov(cfg)
     if knee["status"] != "ok" and knee.get("on_boundary") == "skip":
         write_jsonl(args.out, [{"kind": "skipped", **base, "reason": f"knee not bracketed ({knee['status']})", **prov}])
@@ -441,45 +499,48 @@ def cmd_randomskip_map(args) -> None:
     model = _load_model(cfg, args.model_dir)
     reqs = _requests(v, args.prompts, rs.requests)
     cb = cb_config_for(v.engine, reqs)
-    upstream = ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)
+    upstream = upstream_arm(cfg, model, args.model_dir, cb)
     seed = cell_seed(core.seed, args.workload, f"randomskip-{rs.point}")
     lengths = None
     rows: list[dict] = []
-    for r in rs.r:
-        for d in rs.d:
-            g = grid.get((r, d))
-            if g is None:
-                raise ValueError(f"{args.random_thresholds} has no thresholds for r={r}, d={d}; re-run profile-mode")
-            sk = RandomSkip(rnd["routed_layers"], r=r, d=d, seed=rs.seed, layer_choice=rs.layer_choice)
-            bound = bind_skipper(copy.deepcopy(model), sk)
-            switches = {"always-route": ModeSwitch(always_route=True),
-                        "shared": shared,
-                        "per-policy": ModeSwitch.from_thresholds(g["thresholds"])}
-            arms = {UPSTREAM: upstream}
-            for name, sw in switches.items():
-                arms[name] = ContinuousBatchingArm(bound, name, cb_config=cb, mode="routed",
-                                                   binding=routed_context(bound),
-                                                   planner_factory=lambda sw=sw: ModeController(sw))
-            pol = {**base, "policy": "randomskip", "r": r, "d": d, "k": sk.k, "skip_share": sk.skip_ratio,
-                   "n_routed": len(sk.routed_layers)}
-            log.info("RandomSkip r=%g d=%g (s=%.3f) at %.4g req/s", r, d, sk.skip_ratio, kf["rate"])
-            try:
-                res = run_cell(arms, reqs, cell=rs.point, rate=kf["rate"], repetitions=rs.repetitions, seed=seed,
-                               baseline=UPSTREAM, lane="matched", lengths=lengths, workload=args.workload,
-                               timeout_s=v.timeout_s, keep_ids=False)
-            except (CellError, MatchedWorkError) as e:
-                log.error("RandomSkip r=%g d=%g rejected: %s", r, d, e)
-                rows += [{**x, **pol} for x in _rejected(e, {**pol, "lane": "matched"})]
-                continue
-            lengths = res.lengths
-            for x in res.rows:
-                x = {**x, **pol}
-                if x["kind"] == "cell" and x["arm"] in switches:
-                    x["switch"] = switches[x["arm"]].to_dict()
-                rows.append(x)
-            for x in res.rows:
-                if x["kind"] == "summary" and x["metric"] == "e2e_mean_s":
-                    log.info("  %s: E2E mean %s %%", x["treatment"], x["text"])
+    try:
+        for r in rs.r:
+            for d in rs.d:
+                g = grid.get((r, d))
+                if g is None:
+                    raise ValueError(f"{args.random_thresholds} has no thresholds for r={r}, d={d}; re-run profile-mode")
+                sk = RandomSkip(rnd["routed_layers"], r=r, d=d, seed=rs.seed, layer_choice=rs.layer_choice)
+                bound = bind_skipper(copy.deepcopy(model), sk)
+                switches = {"always-route": ModeSwitch(always_route=True),
+                            "shared": shared,
+                            "per-policy": ModeSwitch.from_thresholds(g["thresholds"])}
+                arms = {UPSTREAM: upstream}
+                for name, sw in switches.items():
+                    arms[name] = ContinuousBatchingArm(bound, name, cb_config=cb, mode="routed",
+                                                       binding=routed_context(bound),
+                                                       planner_factory=lambda sw=sw: ModeController(sw))
+                pol = {**base, "policy": "randomskip", "r": r, "d": d, "k": sk.k, "skip_share": sk.skip_ratio,
+                       "n_routed": len(sk.routed_layers)}
+                log.info("RandomSkip r=%g d=%g (s=%.3f) at %.4g req/s", r, d, sk.skip_ratio, kf["rate"])
+                try:
+                    res = run_cell(arms, reqs, cell=rs.point, rate=kf["rate"], repetitions=rs.repetitions, seed=seed,
+                                   baseline=UPSTREAM, lane="matched", lengths=lengths, workload=args.workload,
+                                   timeout_s=v.timeout_s, keep_ids=False)
+                except (CellError, MatchedWorkError) as e:
+                    log.error("RandomSkip r=%g d=%g rejected: %s", r, d, e)
+                    rows += [{**x, **pol} for x in _rejected(e, {**pol, "lane": "matched"})]
+                    continue
+                lengths = res.lengths
+                for x in res.rows:
+                    x = {**x, **pol}
+                    if x["kind"] == "cell" and x["arm"] in switches:
+                        x["switch"] = switches[x["arm"]].to_dict()
+                    rows.append(x)
+                for x in res.rows:
+                    if x["kind"] == "summary" and x["metric"] == "e2e_mean_s":
+                        log.info("  %s: E2E mean %s %%", x["treatment"], x["text"])
+    finally:
+        close_arms([upstream])
     write_jsonl(args.out, stamp_rows(rows, prov))
     log.info("RandomSkip map: %d rows -> %s", len(rows), args.out)
 

@@ -53,6 +53,8 @@ __all__ = [
 
 #: the harness's CPU import workaround, put first on the server's PYTHONPATH on ``device="cpu"``
 CPU_SHIM_DIR = Path(__file__).resolve().parent / "sglang_cpu"
+#: the repository root (the folder holding ``impl``), put on the server's PYTHONPATH for an external model package
+REPO_ROOT = Path(__file__).resolve().parents[2]
 #: where ``scripts/setup_sglang.sh`` installs SGLang (relative to the repository root)
 DEFAULT_SGLANG_PYTHON = ".venv-sglang/bin/python"
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -73,6 +75,9 @@ class SGLangLaunch:
         attention_backend: ``--attention-backend`` (None: ``torch_native`` on CPU, SGLang's choice on GPU).
         threads: torch threads of the server process on CPU (``OMP_NUM_THREADS``; None: inherited).
         served_model_name: the ``model`` name the server answers to (None: the directory path).
+        external_model_package: a package of out-of-tree model classes (``SGLANG_EXTERNAL_MODEL_PACKAGE``),
+            importable from this repository's root, which then goes on the server's ``PYTHONPATH``
+            (``impl.vskipper.sglang_model``: vSkipper's routed Llama); None: SGLang's own models only.
         extra_args: further ``launch_server`` arguments, verbatim.
 
     Raises:
@@ -89,6 +94,7 @@ class SGLangLaunch:
     attention_backend: str | None = None
     threads: int | None = None
     served_model_name: str | None = None
+    external_model_package: str | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
@@ -123,10 +129,15 @@ def launch_args(launch: SGLangLaunch, port: int) -> list[str]:
 def server_env(launch: SGLangLaunch, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The server's environment: ``base`` (default: this process's) plus, on CPU,
     ``SGLANG_USE_CPU_ENGINE=1``, :data:`CPU_SHIM_DIR` first on ``PYTHONPATH`` and ``OMP_NUM_THREADS``
-    when ``threads`` is set; always offline (``HF_HUB_OFFLINE=1``: the model is a local directory)."""
+    when ``threads`` is set; with ``external_model_package``, ``SGLANG_EXTERNAL_MODEL_PACKAGE`` and
+    :data:`REPO_ROOT` on ``PYTHONPATH`` (after the shim); always offline (``HF_HUB_OFFLINE=1``: the model is
+    a local directory)."""
 
     env = dict(os.environ if base is None else base)
     env["HF_HUB_OFFLINE"] = "1"
+    if launch.external_model_package:
+        env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = launch.external_model_package
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     if launch.device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join([str(CPU_SHIM_DIR), *filter(None, [env.get("PYTHONPATH")])])
@@ -249,7 +260,7 @@ def _post_json(url: str, body: dict, timeout_s: float) -> dict:
 
 
 def greedy_ids(url: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, concurrent: bool = True,
-               timeout_s: float = 600.0) -> list[dict]:
+               timeout_s: float = 600.0, rids: Sequence[str] | None = None) -> list[dict]:
     """Greedy completions of token-id prompts from SGLang's native ``/generate`` (temperature 0, EOS
     ignored, exactly ``max_new_tokens`` tokens each).
 
@@ -258,6 +269,7 @@ def greedy_ids(url: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         prompts: token-id prompts (non-empty lists of ints).
         max_new_tokens: tokens per prompt.
         concurrent: True: every prompt in flight at once (SGLang batches them); False: one at a time.
+        rids: optional request ids, one per prompt (SGLang's ``rid``; request-hash skip policies hash it).
 
     Returns:
         one dict per prompt, in order: ``output_ids`` (list[int]) and ``logprobs`` (list[float], the
@@ -270,12 +282,17 @@ def greedy_ids(url: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
 
     if any(len(p) == 0 for p in prompts):
         raise ValueError("greedy_ids: every prompt needs at least one token")
+    if rids is not None and (len(rids) != len(prompts) or len(set(map(str, rids))) != len(rids)):
+        raise ValueError("greedy_ids: rids must be unique, one per prompt")
 
-    def one(p: Sequence[int]) -> dict:
-        out = _post_json(f"{url.rstrip('/')}/generate", {
-            "input_ids": [int(t) for t in p], "return_logprob": True, "logprob_start_len": -1,
+    def one(i: int) -> dict:
+        body = {
+            "input_ids": [int(t) for t in prompts[i]], "return_logprob": True, "logprob_start_len": -1,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True},
-        }, timeout_s)
+        }
+        if rids is not None:
+            body["rid"] = str(rids[i])
+        out = _post_json(f"{url.rstrip('/')}/generate", body, timeout_s)
         lp = (out.get("meta_info") or {}).get("output_token_logprobs") or []
         ids = [int(t[1]) for t in lp] if lp else [int(t) for t in out.get("output_ids") or []]
         if len(ids) != int(max_new_tokens):
@@ -283,6 +300,6 @@ def greedy_ids(url: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         return {"output_ids": ids, "logprobs": [float(t[0]) for t in lp]}
 
     if not concurrent:
-        return [one(p) for p in prompts]
+        return [one(i) for i in range(len(prompts))]
     with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as ex:
-        return list(ex.map(one, prompts))
+        return list(ex.map(one, range(len(prompts))))

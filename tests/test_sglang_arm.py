@@ -187,8 +187,12 @@ def test_engines_key_selects_sglang_and_refuses_what_is_not_built(tmp_path):
     assert ok["vskipper"]["engines"]["upstream"] == "sglang" and ok["vskipper"]["sglang"]["max_total_tokens"] == 16384
     with pytest.raises(ConfigError, match=r"vskipper\.sglang\.python.*setup_sglang"):
         _load(tmp_path, engines={"upstream": "sglang"}, sglang={"python": str(tmp_path / "nope")})
+    with pytest.raises(ConfigError, match=r"vskipper\.engines\.routed.*vskipper\.sglang\.python.*setup_sglang"):
+        _load(tmp_path, engines={"routed": "sglang"}, sglang={"python": str(tmp_path / "nope")})
+    both = _load(tmp_path, engines={"upstream": "sglang", "routed": "sglang"}, sglang={"python": str(py)})
+    assert both["vskipper"]["engines"] == {"upstream": "sglang", "routed": "sglang"}
     with pytest.raises(ConfigError, match=r"vskipper\.engines\.routed"):
-        _load(tmp_path, engines={"routed": "sglang"})
+        _load(tmp_path, engines={"routed": "vllm"})
     with pytest.raises(ConfigError, match=r"vskipper\.engines\.upstream"):
         _load(tmp_path, engines={"upstream": "vllm"})
     with pytest.raises(ConfigError, match=r"vskipper\.sglang\.max_total_tokens"):

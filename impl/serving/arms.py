@@ -232,12 +232,16 @@ class HTTPCompletionsArm(Arm):
             the project's server, vLLM and SGLang honour it). Off by default: ``transformers serve``
             refuses unknown fields with a 422. Without it the output token count is the number of
             streamed chunks and the prompt token count is unknown (None).
+        send_rid: put the request id in the body as ``rid`` (SGLang's request id, which its scheduler
+            and a server-side model see; request-hash skip policies hash it). Off by default: the
+            OpenAI API has no such field.
     """
 
     def __init__(self, base_url: str, model: str, *, detokenize: Callable[[list[int]], str] | None,
                  name: str = "http",
                  ignore_eos_via: str | None = "generation_config", request_timeout_s: float = 600.0,
-                 extra_body: Mapping[str, Any] | None = None, include_usage: bool = False):
+                 extra_body: Mapping[str, Any] | None = None, include_usage: bool = False,
+                 send_rid: bool = False):
         if ignore_eos_via not in ("generation_config", "field", None):
             raise ValueError(f"ignore_eos_via must be 'generation_config', 'field' or None, got {ignore_eos_via!r}")
         self.base_url = base_url.rstrip("/")
@@ -250,6 +254,7 @@ class HTTPCompletionsArm(Arm):
         self.request_timeout_s = float(request_timeout_s)
         self.extra_body = dict(extra_body or {})
         self.include_usage = bool(include_usage)
+        self.send_rid = bool(send_rid)
         self._cond = threading.Condition()
         self._traces: dict[str, Trace] = {}
         self._threads: list[threading.Thread] = []
@@ -306,6 +311,8 @@ class HTTPCompletionsArm(Arm):
             raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1")
         body = self.body(input_ids, max_new_tokens, ignore_eos)
         rid = str(request_id)
+        if self.send_rid:
+            body["rid"] = rid
         with self._cond:
             if rid in self._traces:
                 raise ValueError(f"duplicate request id {rid!r}")

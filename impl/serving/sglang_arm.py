@@ -14,7 +14,9 @@ a run fresh state the way the in-process arm does, within what a server allows:
 
 Requests go to ``/v1/completions`` with ``stream: true`` (one thread per request, no concurrency cap),
 the prompt as its **token ids** (never re-tokenized), ``ignore_eos: true`` on matched-work replay,
-greedy, and ``stream_options.include_usage`` so the output length is the server's own count. A request
+greedy, ``stream_options.include_usage`` so the output length is the server's own count, and the
+request id as SGLang's ``rid`` (so a request-hash policy in a routed server sees the ids the in-process
+engine sees; warm-up ids start with :data:`WARMUP_PREFIX`). A request
 whose ``usage.prompt_tokens`` differs from ``len(input_ids)`` is failed with an error naming both: the
 engine must have read exactly the prompt the other arms read (the serving protocol's counterpart of the
 quality protocol's prompt-hash gate), so a failed request rejects the cell as any failure does.
@@ -34,9 +36,14 @@ from typing import Any, Sequence
 from .arms import Arm, HTTPCompletionsArm, RealClock, Trace, WorkloadHint
 from .sglang_server import SGLangLaunch, SGLangServer
 
-__all__ = ["SGLangArm"]
+__all__ = ["SGLangArm", "WARMUP_PREFIX"]
 
 log = logging.getLogger(__name__)
+
+#: request-id prefix of the warm-up requests every :meth:`SGLangArm.start` sends after its cache flush; a
+#: server-side model may read a warm-up's arrival as the start of a run (vSkipper's routed model resets its
+#: mode controller there: :mod:`impl.vskipper.sglang_model`)
+WARMUP_PREFIX = "__warmup_"
 
 
 class SGLangArm(Arm):
@@ -77,6 +84,7 @@ class SGLangArm(Arm):
         self.client: HTTPCompletionsArm | None = None
         self._prompt_lens: dict[str, int] = {}
         self._server_info: dict[str, Any] = {}
+        self.runs = 0
 
     # ------------------------------------------------------------------ life cycle
     def start(self, hint: WorkloadHint | None = None) -> None:
@@ -92,10 +100,11 @@ class SGLangArm(Arm):
         self._post("/flush_cache")
         self.client = HTTPCompletionsArm(self.server.url, self.served_model_name, detokenize=None, name=self.name,
                                          ignore_eos_via="field", request_timeout_s=self.request_timeout_s,
-                                         include_usage=True)
+                                         include_usage=True, send_rid=True)
         self.client.start(hint)
+        self.runs += 1
         if self.warmup_requests:
-            ids = [f"__warmup_{i}" for i in range(self.warmup_requests)]
+            ids = [f"{WARMUP_PREFIX}{self.runs}_{i}" for i in range(self.warmup_requests)]
             for rid in ids:
                 self.client.submit(rid, self.warmup_prompt, self.warmup_new_tokens, ignore_eos=True)
             bad = {r: t.error for r, t in self.client.wait(ids, self.request_timeout_s).items() if t.error}

@@ -31,7 +31,9 @@ Keys (units in brackets):
   default) or ``sglang`` (upstream SGLang's own server, started from ``vskipper.sglang``: ``python``,
   ``attention_backend``, ``max_total_tokens`` [tokens], ``ready_timeout_s`` [s], ``extra_args``); the
   knee sweep and every serving cell then drive it over HTTP with token-id prompts; ``routed`` is
-  ``transformers`` only for now.
+  ``transformers`` (default) or ``sglang``: the hybrid, the always-route and ablation arms and the
+  RandomSkip map's arms served by SGLang with vSkipper as an out-of-tree model (one server per arm;
+  :class:`impl.vskipper.sglang_routed.RoutedSGLangArm`).
 - ``knee``: the Q* sweep on the upstream arm under natural generation: ``rates`` (>= 3, increasing),
   absolute [req/s] with ``scale: absolute`` or multiples of the upstream arm's serial capacity
   (``1 / mean E2E`` of ``probe_requests`` requests served one at a time,
@@ -153,9 +155,11 @@ class Engines(Section):
         "transformers", description="transformers: the unmodified model on transformers' continuous batching "
                                     "(in process); sglang: upstream SGLang's own server (vskipper.sglang), driven "
                                     "over HTTP by the same protocol (knee, matched work, paired repetitions)")
-    routed: Literal["transformers"] = Field(
-        "transformers", description="the routed arms (hybrid, always-route, ablations): transformers only "
-                                    "(vSkipper as an out-of-tree SGLang model is not built yet)")
+    routed: Literal["transformers", "sglang"] = Field(
+        "transformers", description="the routed arms (hybrid, always-route, ablations, the RandomSkip map): "
+                                    "transformers (the routed layers in process) or sglang (vSkipper as an "
+                                    "out-of-tree SGLang model, impl.vskipper.sglang_model: one SGLang server per "
+                                    "arm, from vskipper.sglang; Llama-family models)")
 
 
 class Sglang(Section):
@@ -575,10 +579,11 @@ def _check_bench_serving(cfg: dict[str, Any], v: dict[str, Any]) -> None:
 
 
 def _check_engines(cfg: dict[str, Any], v: dict[str, Any]) -> None:
-    if v["engines"]["upstream"] == "sglang" and not Path(v["sglang"]["python"]).is_file():
-        raise _error(f"'vskipper.engines.upstream' = 'sglang' needs 'vskipper.sglang.python' = "
-                     f"'{v['sglang']['python']}', which is not a file (create the SGLang environment with "
-                     "scripts/setup_sglang.sh)")
+    for family in ("upstream", "routed"):
+        if v["engines"][family] == "sglang" and not Path(v["sglang"]["python"]).is_file():
+            raise _error(f"'vskipper.engines.{family}' = 'sglang' needs 'vskipper.sglang.python' = "
+                         f"'{v['sglang']['python']}', which is not a file (create the SGLang environment with "
+                         "scripts/setup_sglang.sh)")
 
 
 def check(cfg: dict[str, Any]) -> None:
@@ -592,8 +597,8 @@ def check(cfg: dict[str, Any]) -> None:
     ``cross_model.workload`` / ``point`` name a load workload / load point when a target is given); for tiny models,
     ``vskipper.flexidepth.routed_layers`` lie in ``[0, tiny_arch.num_layers)``, and the longest request
     (``max_prompt_tokens + vskipper.max_new_tokens``) and ``vskipper.profile.decode_context + 1`` fit the
-    context; ``vskipper.sglang.python`` is an existing file when ``vskipper.engines.upstream`` is
-    ``sglang``; ``vskipper.http.bench_serving.python``, when set, is an existing file (the SGLang
+    context; ``vskipper.sglang.python`` is an existing file when ``vskipper.engines.upstream`` or
+    ``routed`` is ``sglang``; ``vskipper.http.bench_serving.python``, when set, is an existing file (the SGLang
     environment of ``scripts/setup_sglang.sh``) and its ``models[i]`` are keys of ``models``.
 
     Raises:

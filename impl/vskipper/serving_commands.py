@@ -144,15 +144,54 @@ def upstream_arm(cfg: dict, model, model_dir, cb):
 
         return ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)
     from impl.serving.sglang_arm import SGLangArm
+
+    return SGLangArm(sglang_launch(cfg, model_dir), name=UPSTREAM, ready_timeout_s=v.sglang.ready_timeout_s,
+                     request_timeout_s=v.timeout_s)
+
+
+def sglang_launch(cfg: dict, model_dir):
+    """The :class:`~impl.serving.sglang_server.SGLangLaunch` of every SGLang arm of a config: ``model_dir``
+    on the config's device, dtype and thread count, with ``vskipper.sglang``'s interpreter, attention
+    backend, KV-cache size and extra arguments."""
     from impl.serving.sglang_server import SGLangLaunch
 
     core = core_config(cfg)
-    sg = v.sglang
-    launch = SGLangLaunch(model_dir=model_dir, python=sg.python, device=core.device.split(":")[0],
-                          dtype=core.dtype, max_total_tokens=sg.max_total_tokens,
-                          attention_backend=sg.attention_backend, threads=core.threads,
-                          extra_args=tuple(sg.extra_args))
-    return SGLangArm(launch, name=UPSTREAM, ready_timeout_s=sg.ready_timeout_s, request_timeout_s=v.timeout_s)
+    sg = vskipper_section(cfg).sglang
+    return SGLangLaunch(model_dir=model_dir, python=sg.python, device=core.device.split(":")[0],
+                        dtype=core.dtype, max_total_tokens=sg.max_total_tokens,
+                        attention_backend=sg.attention_backend, threads=core.threads,
+                        extra_args=tuple(sg.extra_args))
+
+
+def routed_arm(cfg: dict, name: str, switch, *, bound=None, cb=None, model_dir=None, policy: str = "flexidepth",
+               policy_kwargs: dict | None = None):
+    """One routed arm under ``switch`` on the engine ``vskipper.engines.routed`` names.
+
+    Args:
+        cfg: the validated config. name: the arm's name in rows. switch: its
+            :class:`~impl.vskipper.mode.ModeSwitch` (a fresh controller per run on either engine).
+        bound: transformers: the model bound to the skipper (shared by the routed arms of one cell).
+        cb: transformers: the continuous-batching config.
+        model_dir, policy, policy_kwargs: sglang: the base model directory and the skip policy the server
+            builds (:func:`impl.vskipper.skipper.build_skipper`; FlexiDepth ``{"checkpoint": DIR}``).
+
+    Returns:
+        a :class:`~impl.serving.inprocess.ContinuousBatchingArm` or a
+        :class:`~impl.vskipper.sglang_routed.RoutedSGLangArm` (close it with :func:`close_arms`).
+    """
+    v = vskipper_section(cfg)
+    if v.engines.routed == "transformers":
+        return _inprocess_routed_arm(bound, name, switch, cb)
+    from impl.vskipper.sglang_routed import RoutedSGLangArm
+
+    return RoutedSGLangArm(sglang_launch(cfg, model_dir), policy, policy_kwargs, switch=switch, name=name,
+                           ready_timeout_s=v.sglang.ready_timeout_s, request_timeout_s=v.timeout_s)
+
+
+def needs_inprocess_model(cfg: dict) -> bool:
+    """Whether a serving command must load the model in process (an arm family on transformers)."""
+    e = vskipper_section(cfg).engines
+    return "transformers" in (e.upstream, e.routed)
 
 
 def close_arms(arms) -> None:
@@ -366,32 +405,52 @@ def _knee(args, cfg, core, v, arm, reqs) -> None:
 
 
 # ------------------------------------------------------------------------------------------- serving
-def build_served_arms(model, skipper, switch, names, cb, *, upstream=None) -> dict:
-    """The arms of a serving cell: ``upstream`` (the unbound ``model`` on the unmodified engine) and,
-    on one deep copy of the model bound to ``skipper``, the served hybrid ``vskipper`` (``switch``) and
-    any mechanism ablation in ``names`` (``switch.ablation(name)``); each run of a routed arm starts
-    with a fresh :class:`~impl.vskipper.mode.ModeController` (installed after the warm-up).
+def build_served_arms(model, skipper, switch, names, cb, *, upstream=None, cfg: dict | None = None,
+                      model_dir=None, checkpoint=None) -> dict:
+    """The arms of a serving cell: ``upstream`` (the unbound ``model`` on the unmodified engine) and the
+    served hybrid ``vskipper`` (``switch``) and any mechanism ablation in ``names`` (``switch.ablation(name)``);
+    each run of a routed arm starts with a fresh :class:`~impl.vskipper.mode.ModeController`.
+
+    On transformers (``cfg`` None, or ``vskipper.engines.routed: transformers``) the routed arms share one
+    deep copy of ``model`` bound to ``skipper`` (the controller installed after the warm-up); on SGLang
+    (``engines.routed: sglang``) each is a :class:`~impl.vskipper.sglang_routed.RoutedSGLangArm` serving
+    ``model_dir`` with the FlexiDepth ``checkpoint`` (``model`` and ``skipper`` are then unused).
 
     Args:
-        model: the base causal LM (left unbound). skipper: the policy. switch: the served
-        :class:`~impl.vskipper.mode.ModeSwitch`. names: routed arm names (``vskipper`` and/or
-        :data:`impl.vskipper.schema.ABLATION_ARMS`). cb: the shared continuous-batching config.
+        model: the base causal LM (left unbound; None when no arm runs in process). skipper: the policy.
+        switch: the served :class:`~impl.vskipper.mode.ModeSwitch`. names: routed arm names (``vskipper``
+        and/or :data:`impl.vskipper.schema.ABLATION_ARMS`). cb: the shared continuous-batching config.
         upstream: the upstream arm (:func:`upstream_arm`); None: ``model`` on transformers.
+        cfg, model_dir, checkpoint: the config and, for SGLang, the base model and checkpoint directories.
 
     Returns:
-        ``{name: ContinuousBatchingArm}``, upstream first.
+        ``{name: Arm}``, upstream first.
     """
     from impl.serving.inprocess import ContinuousBatchingArm
-    from impl.vskipper import bind_skipper, routed_context
-    from impl.vskipper.mode import ModeController
+    from impl.vskipper import bind_skipper
 
     arms = {UPSTREAM: upstream if upstream is not None else ContinuousBatchingArm(model, UPSTREAM, cb_config=cb)}
-    bound = bind_skipper(copy.deepcopy(model), skipper)
-    for name in names:
-        sw = switch if name == SERVED else switch.ablation(name)
-        arms[name] = ContinuousBatchingArm(bound, name, cb_config=cb, mode="routed", binding=routed_context(bound),
-                                           planner_factory=lambda sw=sw: ModeController(sw))
+    on_sglang = cfg is not None and vskipper_section(cfg).engines.routed == "sglang"
+    bound = None if on_sglang else bind_skipper(copy.deepcopy(model), skipper)
+    try:
+        for name in names:
+            sw = switch if name == SERVED else switch.ablation(name)
+            arms[name] = (routed_arm(cfg, name, sw, model_dir=model_dir, policy="flexidepth",
+                                     policy_kwargs={"checkpoint": str(checkpoint)})
+                          if on_sglang else _inprocess_routed_arm(bound, name, sw, cb))
+    except Exception:
+        close_arms(arms.values())
+        raise
     return arms
+
+
+def _inprocess_routed_arm(bound, name: str, switch, cb):
+    from impl.serving.inprocess import ContinuousBatchingArm
+    from impl.vskipper import routed_context
+    from impl.vskipper.mode import ModeController
+
+    return ContinuousBatchingArm(bound, name, cb_config=cb, mode="routed", binding=routed_context(bound),
+                                 planner_factory=lambda sw=switch: ModeController(sw))
 
 
 def _knee_fields(knee: dict, point: str) -> dict:
@@ -425,7 +484,7 @@ def cmd_serve_cell(args) -> None:
                          f"({', '.join(knee['load_factors'])})")
     kf = _knee_fields(knee, args.point)
     base = {"experiment": args.experiment, "workload": args.workload, "model": v.model, "policy": "flexidepth",
-            "cell": args.point, "upstream_engine": v.engines.upstream, **kf}
+            "cell": args.point, "upstream_engine": v.engines.upstream, "routed_engine": v.engines.routed, **kf}
     prov = _prov(cfg)
     if knee["status"] != "ok" and knee.get("on_boundary") == "skip":
         write_jsonl(args.out, [{"kind": "skipped", **base, "reason": f"knee not bracketed ({knee['status']}): "
@@ -433,13 +492,13 @@ def cmd_serve_cell(args) -> None:
         log.warning("%s/%s skipped: knee not bracketed", args.workload, args.point)
         return
     switch = ModeSwitch.from_profile(args.thresholds)
-    model = _load_model(cfg, args.model_dir)
-    skipper = _load_skipper(args.flexidepth, model)
+    model = _load_model(cfg, args.model_dir) if needs_inprocess_model(cfg) else None
+    skipper = _load_skipper(args.flexidepth, model) if v.engines.routed == "transformers" else None
     reqs = _requests(v, args.prompts, None)
     cb = cb_config_for(v.engine, reqs)
     names = [SERVED] + [a for a in (args.arms or []) if a != SERVED]
-    arms = build_served_arms(model, skipper, switch, names, cb,
-                             upstream=upstream_arm(cfg, model, args.model_dir, cb))
+    arms = build_served_arms(model, skipper, switch, names, cb, upstream=upstream_arm(cfg, model, args.model_dir, cb),
+                             cfg=cfg, model_dir=args.model_dir, checkpoint=args.flexidepth)
     try:
         rows = _serve_lanes(args, cfg, core, v, arms, reqs, kf, base, prov)
     finally:
@@ -475,9 +534,8 @@ def _serve_lanes(args, cfg, core, v, arms, reqs, kf, base, prov) -> list[dict]:
 def cmd_randomskip_map(args) -> None:
     """Fig. 3: the r x d RandomSkip grid under three switch settings against upstream -> JSONL rows."""
     from impl.provenance import write_jsonl
-    from impl.serving.inprocess import ContinuousBatchingArm
-    from impl.vskipper import RandomSkip, bind_skipper, routed_context
-    from impl.vskipper.mode import ModeController, ModeSwitch
+    from impl.vskipper import RandomSkip, bind_skipper
+    from impl.vskipper.mode import ModeSwitch
     from impl.serving.matched import MatchedWorkError
     from impl.serving.protocol import CellError, cell_seed, run_cell, stamp_rows
 
@@ -488,7 +546,7 @@ def cmd_randomskip_map(args) -> None:
     knee = _read_json(args.knee)
     kf = _knee_fields(knee, rs.point)
     base = {"experiment": "randomskip", "workload": args.workload, "model": v.model, "cell": rs.point,
-            "upstream_engine": v.engines.upstream, **kf}
+            "upstream_engine": v.engines.upstream, "routed_engine": v.engines.routed, **kf}
     prov = _prov(cfg)
     if knee["status"] != "ok" and knee.get("on_boundary") == "skip":
         write_jsonl(args.out, [{"kind": "skipped", **base, "reason": f"knee not bracketed ({knee['status']})", **prov}])
@@ -496,7 +554,8 @@ def cmd_randomskip_map(args) -> None:
     shared = ModeSwitch.from_profile(args.shared_thresholds)
     rnd = _read_json(args.random_thresholds)
     grid = {(g["r"], g["d"]): g for g in rnd["grid"]}
-    model = _load_model(cfg, args.model_dir)
+    model = _load_model(cfg, args.model_dir) if needs_inprocess_model(cfg) else None
+    on_sglang = v.engines.routed == "sglang"
     reqs = _requests(v, args.prompts, rs.requests)
     cb = cb_config_for(v.engine, reqs)
     upstream = upstream_arm(cfg, model, args.model_dir, cb)
@@ -509,16 +568,21 @@ def cmd_randomskip_map(args) -> None:
                 g = grid.get((r, d))
                 if g is None:
                     raise ValueError(f"{args.random_thresholds} has no thresholds for r={r}, d={d}; re-run profile-mode")
-                sk = RandomSkip(rnd["routed_layers"], r=r, d=d, seed=rs.seed, layer_choice=rs.layer_choice)
-                bound = bind_skipper(copy.deepcopy(model), sk)
+                kw = {"routed_layers": list(rnd["routed_layers"]), "r": r, "d": d, "seed": rs.seed,
+                      "layer_choice": rs.layer_choice}
+                sk = RandomSkip(**kw)
+                bound = None if on_sglang else bind_skipper(copy.deepcopy(model), sk)
                 switches = {"always-route": ModeSwitch(always_route=True),
                             "shared": shared,
                             "per-policy": ModeSwitch.from_thresholds(g["thresholds"])}
                 arms = {UPSTREAM: upstream}
-                for name, sw in switches.items():
-                    arms[name] = ContinuousBatchingArm(bound, name, cb_config=cb, mode="routed",
-                                                       binding=routed_context(bound),
-                                                       planner_factory=lambda sw=sw: ModeController(sw))
+                try:
+                    for name, sw in switches.items():
+                        arms[name] = routed_arm(cfg, name, sw, bound=bound, cb=cb, model_dir=args.model_dir,
+                                                policy="random", policy_kwargs=kw)
+                except Exception:
+                    close_arms([a for n, a in arms.items() if n != UPSTREAM])
+                    raise
                 pol = {**base, "policy": "randomskip", "r": r, "d": d, "k": sk.k, "skip_share": sk.skip_ratio,
                        "n_routed": len(sk.routed_layers)}
                 log.info("RandomSkip r=%g d=%g (s=%.3f) at %.4g req/s", r, d, sk.skip_ratio, kf["rate"])
@@ -530,6 +594,8 @@ def cmd_randomskip_map(args) -> None:
                     log.error("RandomSkip r=%g d=%g rejected: %s", r, d, e)
                     rows += [{**x, **pol} for x in _rejected(e, {**pol, "lane": "matched"})]
                     continue
+                finally:  # the grid point's routed servers (SGLang) stop before the next point's start
+                    close_arms([a for n, a in arms.items() if n != UPSTREAM])
                 lengths = res.lengths
                 for x in res.rows:
                     x = {**x, **pol}

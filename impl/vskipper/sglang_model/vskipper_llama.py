@@ -21,11 +21,28 @@ What this does not save on SGLang: the attention backend computes its output for
 dropped; their ``o_proj`` and MLP are skipped. Pipeline parallelism, mixed chunked prefill and speculative
 forward modes are refused at start-up / at the first such step.
 
+**Modes** (Sec. 3.3). Without a ``switch`` every request is routed in both phases (always-route). With
+one, a :class:`~impl.vskipper.mode.ModeController` (the project's own, as on the transformers engine) plans
+every step's rows: it is the same host-side state machine, fed the same :class:`RowMeta`, with the share
+probes read from this model's per-(layer, phase) counters. Two differences from the transformers engine,
+both from SGLang's scheduler: a batch is either an extend (prefill) or a decode batch, never both, so the
+decode load is the decode batch's size; and the server lives across runs, so the controller is replaced
+(and the route counters zeroed) whenever a warm-up request (request id starting with
+:data:`impl.serving.sglang_arm.WARMUP_PREFIX`, which :class:`~impl.serving.sglang_arm.SGLangArm` sends
+after its cache flush at the start of every run) is prefilled. Warm-up rows are always dense and never
+seen by the controller, as the transformers arm installs its controller after the warm-up.
+
 The ``vskipper`` entry of ``config.json`` (written by :func:`impl.vskipper.sglang_routed.write_routed_model_dir`):
 ``policy`` (a :func:`~impl.vskipper.skipper.build_skipper` name), ``kwargs`` (its arguments: RandomSkip
-``routed_layers``, ``r``, ``d``, ``seed``; FlexiDepth ``checkpoint``), optional ``stats_path`` (a JSON file
-rewritten after every routed step with the (RUN, Project-Only) counts over routed (row, layer) pairs per
-phase: the realised skip share, for tests and diagnostics).
+``routed_layers``, ``r``, ``d``, ``seed``; FlexiDepth ``checkpoint``), optional ``switch`` (the
+:class:`~impl.vskipper.mode.ModeSwitch` fields, ``to_dict`` form), optional ``check_kv`` (bool: after
+every routed layer, read the Project-Only rows' K/V back from the KV pool at their ``out_cache_loc`` slots
+and compare them with the layer's own projection of those rows, computed again on the Project-Only rows
+alone: Invariant 1, at a cost of one extra K/V projection; for tests), optional ``stats_path`` (a JSON
+file rewritten after every routed step with the (RUN, Project-Only) counts over routed (row, layer) pairs
+per phase, the mode controller's summary and the K/V check: for tests and diagnostics), optional
+``stats_modes`` (bool: the stats also carry every request's modes, ``prefill`` and ``routed_from``, which
+a plain-PyTorch replay reads; grows with the requests served, so for tests).
 """
 
 from __future__ import annotations
@@ -39,10 +56,13 @@ from torch import nn
 
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 from sglang.srt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix
 
+from impl.serving.sglang_arm import WARMUP_PREFIX
+from impl.vskipper.mode import ModeController, ModeSwitch
 from impl.vskipper.skipper import Phase, RowMeta, as_run_mask, build_skipper, check_route_tape, validate_skipper
 
 
@@ -95,7 +115,8 @@ class VSkipperLlamaDecoderLayer(LlamaDecoderLayer):
         self.layer_id = layer_id
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch, run=None,
-                skipper=None, meta: RowMeta | None = None, capture_output=None) -> torch.Tensor:
+                skipper=None, meta: RowMeta | None = None, kv_check: dict | None = None,
+                capture_output=None) -> torch.Tensor:
         attn = self.self_attn
         normed = self.input_layernorm(hidden_states)  # [T, H]
         q, k, v = attn.forward_prepare_native(positions, normed)  # [T, q_size], [T, kv_size] x 2
@@ -105,6 +126,8 @@ class VSkipperLlamaDecoderLayer(LlamaDecoderLayer):
             return mid + self.mlp(self.post_attention_layernorm(mid), forward_batch=forward_batch)
         run_idx = run.nonzero().squeeze(1)  # [n_run]
         po_idx = (~run).nonzero().squeeze(1)  # [n_po]
+        if kv_check is not None and po_idx.numel():
+            self._check_project_only_kv(positions, hidden_states, forward_batch, po_idx, kv_check)
         out = hidden_states.clone()
         if run_idx.numel():
             h_in = hidden_states.index_select(0, run_idx)  # [n_run, H]
@@ -123,6 +146,49 @@ class VSkipperLlamaDecoderLayer(LlamaDecoderLayer):
             proj = skipper.project(self.layer_id, h_po, meta.select(po_idx))
             if proj is not h_po:
                 out.index_copy_(0, po_idx, proj.to(out.dtype))
+        return out
+
+    def _check_project_only_kv(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch,
+                               po_idx: torch.Tensor, acc: dict) -> None:
+        """Invariant 1 on the KV pool: the K/V stored at the Project-Only rows' ``out_cache_loc`` slots equal
+        this layer's own projection of those rows (recomputed here on the Project-Only rows alone).
+
+        Adds to ``acc``: ``rows`` (Project-Only (row, layer) pairs checked) and ``max_abs_diff`` (largest
+        |stored - recomputed| over K and V)."""
+        attn = self.self_attn
+        h_po = hidden_states.index_select(0, po_idx)  # [n_po, H]
+        _, k_po, v_po = attn.forward_prepare_native(positions.reshape(-1).index_select(0, po_idx),
+                                                    self.input_layernorm(h_po))  # [n_po, kv_size] x 2
+        layer_id = attn.attn.layer_id
+        pool = get_token_to_kv_pool()  # the running model's KV pool (the attention backend writes into it)
+        loc = forward_batch.out_cache_loc.index_select(0, po_idx).to(torch.long)  # [n_po]
+        k_cache = pool.get_key_buffer(layer_id).index_select(0, loc)  # [n_po, kv_heads, head_dim]
+        v_cache = pool.get_value_buffer(layer_id).index_select(0, loc)
+        diff = max(float((k_cache.reshape(k_po.shape).float() - k_po.float()).abs().max()),
+                   float((v_cache.reshape(v_po.shape).float() - v_po.float()).abs().max()))
+        acc["rows"] = acc.get("rows", 0) + int(po_idx.numel())
+        acc["max_abs_diff"] = max(acc.get("max_abs_diff", 0.0), diff)
+
+
+class _RouteCounts:
+    """The counters a :class:`~impl.vskipper.mode.ModeController` reads for its share probes (the planner
+    protocol of :class:`impl.vskipper.routed.RowContext`): ``counts[(layer, phase)] = (RUN, Project-Only)``
+    over routed rows."""
+
+    record_stats = True
+
+    def __init__(self):
+        self.counts: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def add(self, layer: int, phase: int, n_run: int, n_po: int) -> None:
+        r, p = self.counts.get((layer, phase), (0, 0))
+        self.counts[(layer, phase)] = (r + n_run, p + n_po)
+
+    def per_phase(self) -> dict[str, list[int]]:
+        out = {ph.name.lower(): [0, 0] for ph in (Phase.PREFILL, Phase.DECODE)}
+        for (_, ph), (r, p) in self.counts.items():
+            c = out[Phase(ph).name.lower()]
+            c[0], c[1] = c[0] + r, c[1] + p
         return out
 
 
@@ -163,7 +229,12 @@ class VSkipperLlamaModel(nn.Module):
         self._column = {layer: j for j, layer in enumerate(skipper.routed_layers)}
         self._placed = False
         self._stats_path = spec.get("stats_path")
-        self.counts = {int(Phase.PREFILL): [0, 0], int(Phase.DECODE): [0, 0]}  # phase -> [RUN, Project-Only]
+        self._stats_modes = bool(spec.get("stats_modes"))
+        self._switch = None if spec.get("switch") is None else ModeSwitch.from_fields(dict(spec["switch"]))
+        self.controller = None if self._switch is None else ModeController(self._switch)
+        self.runs = 0  # warm-ups seen: each starts a run with a fresh controller
+        self.kv_check: dict | None = {} if spec.get("check_kv") else None
+        self.route_counts = _RouteCounts()
         self.steps = 0
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -174,23 +245,49 @@ class VSkipperLlamaModel(nn.Module):
             self.skipper.to(device=like.device, dtype=like.dtype)
             self._placed = True
 
-    def _count(self, run: torch.Tensor, meta: RowMeta) -> None:
-        routed = meta.routed_mask
+    def _count(self, layers: list[int], runs: list[torch.Tensor], meta: RowMeta) -> None:
+        """Add one step's (RUN, Project-Only) counts of routed rows per (layer, phase): one host sync."""
+        if not layers:
+            return
+        run = torch.stack(runs)  # [n_layers, T] bool
+        routed = meta.routed_mask  # [T]
+        per = []
         for ph in (int(Phase.PREFILL), int(Phase.DECODE)):
-            sel = routed & (meta.phase == ph)
-            n = int(sel.sum())
-            if n:
-                n_run = int((run & sel).sum())
-                self.counts[ph][0] += n_run
-                self.counts[ph][1] += n - n_run
+            sel = routed & (meta.phase == ph)  # [T]
+            per.append(torch.stack([(run & sel).sum(dim=1), (~run & sel).sum(dim=1)], dim=1))  # [n_layers, 2]
+        counts = torch.stack(per).tolist()  # [2 phases][n_layers][RUN, PO]
+        for p_i, ph in enumerate((int(Phase.PREFILL), int(Phase.DECODE))):
+            for layer, (n_run, n_po) in zip(layers, counts[p_i]):
+                if n_run or n_po:
+                    self.route_counts.add(layer, ph, n_run, n_po)
 
     def _write_stats(self) -> None:
-        body = {"steps": self.steps, "policy": type(self.skipper).__name__,
-                "counts": {Phase(ph).name.lower(): c for ph, c in self.counts.items()}}
+        body = {"steps": self.steps, "runs": self.runs, "policy": type(self.skipper).__name__,
+                "counts": self.route_counts.per_phase(),
+                "mode": None if self.controller is None else self.controller.summary(),
+                "modes": None if self.controller is None or not self._stats_modes else {  # replayable per request
+                    "prefill": dict(self.controller.prefill_mode), "routed_from": dict(self.controller.routed_from)},
+                "kv_check": self.kv_check}
         tmp = f"{self._stats_path}.tmp"
         with open(tmp, "w") as f:
             json.dump(body, f)
         os.replace(tmp, self._stats_path)
+
+    def _plan(self, meta: RowMeta) -> RowMeta:
+        """Set each row's mode: warm-up rows dense (a warm-up prefill starts a run: fresh controller),
+        the others by the mode controller, or all routed without a switch."""
+        warm = [r is not None and r.startswith(WARMUP_PREFIX) for r in meta.request_ids]
+        if any(warm):
+            if bool((meta.phase == int(Phase.PREFILL)).any()):  # a run starts: fresh counters and controller
+                self.controller = None if self._switch is None else ModeController(self._switch)
+                self.route_counts = _RouteCounts()
+                self.runs += 1
+            keep = torch.tensor([not w for w in warm], dtype=torch.bool, device=meta.token_idx.device)
+            meta = RowMeta(meta.request_ids, meta.token_idx, meta.phase,
+                           keep if meta.routed is None else meta.routed & keep, meta.request_keys)
+            if not any(not w and r is not None for w, r in zip(warm, meta.request_ids)):
+                return meta
+        return meta if self.controller is None else self.controller(meta, self.route_counts)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
                 input_embeds: Optional[torch.Tensor] = None, pp_proxy_tensors=None) -> torch.Tensor:
@@ -204,15 +301,20 @@ class VSkipperLlamaModel(nn.Module):
                 h = layer(positions, h, forward_batch)
             return self.norm(h) if n_rows else h
         self._place(h)
-        meta = rows_of_forward_batch(forward_batch, positions, n_rows)
+        meta = self._plan(rows_of_forward_batch(forward_batch, positions, n_rows))
         routed = meta.routed_mask  # [T]
+        if not bool(routed.any()):  # every row dense this step: the unmodified layers, no router call
+            for layer in self.layers:
+                h = layer(positions, h, forward_batch)
+            return self._end_step(h)
         raw = skipper.route_tape(meta)
         tape = all_run = None
         if raw is not None:  # request-hash policy: every routed layer's masks once per step
             raw = check_route_tape(raw, n_rows, len(self._column), who=type(skipper).__name__)
             tape = raw | ~routed[:, None]  # [T, n_routed]
             all_run = tape.all(dim=0).tolist()  # the step's one host sync
-        any_routed = bool(routed.any())
+        counting = self.controller is not None or bool(self._stats_path)
+        counted_layers, counted_runs = [], []
         for i, layer in enumerate(self.layers):
             j = self._column.get(i)
             if j is None:
@@ -224,12 +326,17 @@ class VSkipperLlamaModel(nn.Module):
                 run = as_run_mask(skipper.route(i, h, meta), n_rows, layer_idx=i, who=type(skipper).__name__)
                 run = run | ~routed
                 every = bool(run.all())
-            if self._stats_path:
-                self._count(run, meta)
-            if every and (skipper.identity_run or not any_routed):
+            if counting:
+                counted_layers.append(i)
+                counted_runs.append(run)
+            if every and skipper.identity_run:
                 h = layer(positions, h, forward_batch)
             else:
-                h = layer(positions, h, forward_batch, run=run, skipper=skipper, meta=meta)
+                h = layer(positions, h, forward_batch, run=run, skipper=skipper, meta=meta, kv_check=self.kv_check)
+        self._count(counted_layers, counted_runs, meta)
+        return self._end_step(h)
+
+    def _end_step(self, h: torch.Tensor) -> torch.Tensor:
         self.steps += 1
         if self._stats_path:
             self._write_stats()

@@ -24,6 +24,7 @@ include: "workflows/tev.smk"
 include: "workflows/vskipper.smk"
 include: "workflows/vskipper_bench.smk"
 include: "workflows/vskipper_http.smk"
+include: "workflows/vskipper_sglang.smk"
 include: "workflows/report.smk"
 
 

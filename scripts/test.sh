@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# Upstream SGLang in ./.venv-sglang (its own torch, about 11 GB; 3-10 min the first time, nothing after):
+# the tests of SGLang as an engine arm and of vSkipper inside SGLang start real servers with it.
+# IMPL_SGLANG=0 skips the install; those tests then skip.
+if [ "${IMPL_SGLANG:-1}" != "0" ]; then
+  bash scripts/setup_sglang.sh
+fi
 source scripts/data_dir.sh
 # Two pytest-xdist workers with one torch thread each: the smoke DAG (tests using `smoke_run`, kept on
 # one worker and started first) overlaps the unit tests; two multi-threaded torch processes on 2 cores

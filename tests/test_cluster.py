@@ -25,7 +25,8 @@ PROFILE = ROOT / "profiles" / "slurm" / "config.yaml"
 GPU_RULES = ("measure_ead", "ar_bench", "train_model", "train_adapters", "train_draft", "train_head", "dex_cell", "tev_train", "tev_cell",
              "tev_latency", "vskipper_train_flexidepth", "vskipper_profile", "vskipper_knee", "vskipper_cell",
              "vskipper_ablation", "vskipper_randomskip", "vskipper_http", "vskipper_model_train_flexidepth",
-             "vskipper_model_profile", "vskipper_model_knee", "vskipper_model_cell")
+             "vskipper_model_profile", "vskipper_model_knee", "vskipper_model_cell", "vskipper_sglang_knee",
+             "vskipper_sglang_cell", "vskipper_sglang_ablation")
 MULTI_GPU_RULES = ("dex_distributed", "dex_pearl_ranks", "dex_tensor_parallel")  # gres gpu:K from the rule
 # `rule NAME:` and `use rule PARENT as NAME with:` (the vSkipper Table 6 / 7 rules)
 ALL_RULES = tuple(re.findall(r"^\s*(?:use )?rule (?:\w+ as )?(\w+)(?: with)?:", "\n".join(
@@ -97,16 +98,23 @@ def test_profile_settings():
 
 #: rules a config must turn on (vskipper.http.bench_serving.python, a Python with SGLang)
 OPT_IN_RULES = ("vskipper_bench_serving", "vskipper_knee_bench_serving")
+#: the SGLang section's rules (vskipper.sglang_section, configs/sglang.yaml)
+SGLANG_RULES = ("vskipper_sglang_knee", "vskipper_sglang_cell", "vskipper_sglang_ablation", "vskipper_sglang_tables",
+                "vskipper_engine_tables")
 
 
 @pytest.mark.parametrize("extra", [["--configfile", "configs/smoke.yaml"], [],
-                                   ["--configfile", "configs/smoke.yaml", "bench_serving.yaml"]],
-                         ids=["smoke", "default", "smoke+bench_serving"])
+                                   ["--configfile", "configs/smoke.yaml", "bench_serving.yaml"],
+                                   ["--configfile", "configs/smoke.yaml", "configs/sglang.yaml", "sglang_python.yaml"]],
+                         ids=["smoke", "default", "smoke+bench_serving", "smoke+sglang"])
 def test_profile_dry_run(workdir, extra):
     opt_in = "bench_serving.yaml" in extra
+    on_sglang = "configs/sglang.yaml" in extra
     if opt_in:  # the overlay of configs/bench_serving.yaml, with a Python that exists here
         (workdir / "bench_serving.yaml").write_text(
             f"vskipper: {{http: {{bench_serving: {{python: {sys.executable}, models: [tiny-ls]}}}}}}\n")
+    if on_sglang:  # configs/sglang.yaml with an interpreter that exists here
+        (workdir / "sglang_python.yaml").write_text(f"vskipper: {{sglang: {{python: {sys.executable}}}}}\n")
     p = _run(workdir, "--profile", "profiles/slurm", "-n", *extra)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
@@ -114,7 +122,11 @@ def test_profile_dry_run(workdir, extra):
     # the default compares tiny-ls with smollm2 (two tokenizers): no shared-context rule there; smoke's
     # trained-head arm uses tiny-ls's TEV drafters (no dex.speculative.dflash.drafter: no train_head)
     expected = [r for r in ALL_RULES if not (not extra and r == "ead_shared") and not (extra and r == "train_head")
-                and (opt_in or r not in OPT_IN_RULES)]
+                and (opt_in or r not in OPT_IN_RULES) and (on_sglang or r not in SGLANG_RULES)]
+    if on_sglang:
+        assert "results/smoke/tables/vskipper/sglang/vskipper_engines_table2.csv" in out
+    else:
+        assert not re.search(r"^rule vskipper_(sglang_\w+|engine_tables):", out, re.M)
     if not opt_in:
         assert not re.search(r"^rule vskipper_(knee_)?bench_serving:", out, re.M)
     else:

@@ -62,6 +62,6 @@ def test_project_registries():
     assert issubclass(SKIPPERS["random"], Skipper)
     assert list(CONFIG_SECTIONS) == ["dex", "tev", "vskipper"] and all(hasattr(CONFIG_SECTIONS[n], "SECTION")
                                                               for n in CONFIG_SECTIONS)
-    assert set(REPORT_SECTIONS) == {"dex", "tev", "vskipper-serving", "vskipper-bench", "vskipper-http"}
+    assert set(REPORT_SECTIONS) == {"dex", "tev", "vskipper-serving", "vskipper-bench", "vskipper-http", "vskipper-sglang"}
     assert all(callable(REPORT_SECTIONS[n]) for n in REPORT_SECTIONS)
     assert all(callable(COMMANDS[n]) for n in COMMANDS)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from impl.serving.sglang_server import REPO_ROOT, SGLangLaunch, greedy_ids, server_env
-from impl.vskipper.sglang_routed import ARCHITECTURE, PACKAGE, routed_launch, write_routed_model_dir
+from impl.vskipper.sglang_routed import ARCHITECTURE, NO_GRAPHS, PACKAGE, routed_launch, write_routed_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
@@ -73,6 +73,8 @@ def test_routed_model_dir_refuses_what_it_cannot_serve(tmp_path):
 def test_the_launch_registers_the_package_with_the_repository_on_the_path(tmp_path):
     launch = routed_launch(SGLangLaunch(model_dir=tmp_path, python=Path("/bin/true"), threads=1))
     assert launch.external_model_package == PACKAGE
+    assert launch.extra_args[-4:] == NO_GRAPHS  # a captured graph would replay one step's routes
+    assert routed_launch(launch).extra_args.count("--cuda-graph-backend-decode") == 1  # not added twice
     env = server_env(launch, base={"PYTHONPATH": "/elsewhere"})
     assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "impl.vskipper.sglang_model"
     parts = env["PYTHONPATH"].split(os.pathsep)

@@ -104,6 +104,8 @@ def report_sections():
                         expand(f"{RESULTS}/vskipper/http/{{model}}.csv", model=TINY_MODELS)
                         + expand(f"{RESULTS}/vskipper/http/{{model}}.bench_serving.csv", model=VSKH_BENCH_MODELS)
                         + ([VSKH_KNEE_BENCH_OUT] if VSKH_KNEE_BENCH else [])))
+        if VSKS:
+            out.append(("vskipper-sglang", VSKS_TABLES, VSKS_REPORT_INPUTS))
     return out
 
 

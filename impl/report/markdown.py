@@ -17,6 +17,7 @@ REPORT_SECTIONS.register("tev", "impl.tev.report:report_section")
 REPORT_SECTIONS.register("vskipper-serving", "impl.vskipper.serving_report:report_section")
 REPORT_SECTIONS.register("vskipper-bench", "impl.vskipper.bench_report:report_section")
 REPORT_SECTIONS.register("vskipper-http", "impl.vskipper.http_report:report_section")
+REPORT_SECTIONS.register("vskipper-sglang", "impl.vskipper.engine_report:report_section")
 
 
 def _rel(target: Path, start: Path) -> str:

@@ -259,12 +259,15 @@ class ContinuousBatchingArm(Arm):
             return out
 
     def describe(self) -> dict[str, Any]:
-        """Declared settings: arm name, mode, EOS, streaming, the engine's resolved
+        """Declared settings: arm name, engine (``transformers``) and its attention (``paged <impl>``: the
+        model's attention implementation over the engine's paged cache), mode, EOS, streaming, the engine's resolved
         ``ContinuousBatchingConfig`` fields (after the last :meth:`start`) and, when the run's planner
         has a ``summary()`` (the mode switch), its ``planner_summary`` (decisions and row counts of the
         last run)."""
         d = self.driver
-        return {"arm": self.name, "kind": type(self).__name__, "mode": self.mode,
+        impl_name = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        return {"arm": self.name, "kind": type(self).__name__, "engine": "transformers",
+                "attention_backend": None if impl_name is None else f"paged {impl_name}", "mode": self.mode,
                 "planner": None if self.planner is None else type(self.planner).__name__,
                 **({"planner_summary": simple(self.planner.summary())}
                    if callable(getattr(self.planner, "summary", None)) else {}),

@@ -350,12 +350,26 @@ class Device(Section):
         {}, json_schema_extra={"propertyNames": {"pattern": _RESOURCE}}, description="Snakemake resources of this device's jobs (slurm_partition, gres, ...)")
 
 
+class SglangSection(Section):
+    """``vskipper.sglang_section``: the vSkipper protocol again with both arm families on upstream SGLang
+    (vSkipper as an out-of-tree SGLang model), beside the main run, for the report's SGLang section."""
+
+    workloads: Annotated[list[Suite], Field(min_length=1, json_schema_extra=_UNIQUE)] | None = Field(
+        None, description="load workloads measured on SGLang (a subset of vskipper.workloads; null: all)")
+    points: Annotated[list[Label], Field(min_length=1, json_schema_extra=_UNIQUE)] | None = Field(
+        None, description="load points measured on SGLang (labels of vskipper.load_points; null: all)")
+    ablation: bool = Field(True, description="the mechanism ablation on SGLang (first SGLang workload, at the knee; "
+                                             "needs vskipper.ablations)")
+    repetitions: PosInt | None = Field(None, description="paired repetitions per SGLang cell (null: "
+                                                         "vskipper.repetitions)")
+
+
 class VskipperSection(Section):
     """vSkipper serving experiments (Sec. 4: knee, matched-work cells, ablations, RandomSkip map); absent = no vSkipper rules"""
 
     # absent = off (bench, quality, cross_model, devices) or replaced whole when given (load_points):
     # not merged from the defaults; check() fills load_points, quality and cross_model in
-    optional_keys = ("load_points", "bench", "quality", "cross_model", "devices")
+    optional_keys = ("load_points", "bench", "quality", "cross_model", "devices", "sglang_section")
 
     model: str = Field("tiny-std", description="base model served (a key of models)")
     workloads: Annotated[list[Suite], Field(min_length=1, json_schema_extra=_UNIQUE)] = ["gsm8k"]
@@ -380,6 +394,7 @@ class VskipperSection(Section):
     quality: Quality | SkipJsonSchema[None] = None
     cross_model: CrossModel | SkipJsonSchema[None] = None
     devices: list[Device] | SkipJsonSchema[None] = None
+    sglang_section: SglangSection | SkipJsonSchema[None] = None
 
 
 SECTION: dict[str, Any] = section_schema(VskipperSection, description=VskipperSection.__doc__.strip())
@@ -578,6 +593,62 @@ def _check_bench_serving(cfg: dict[str, Any], v: dict[str, Any]) -> None:
             raise _error(f"'vskipper.http.bench_serving.models[{i}]' names '{m}', which is not a key of 'models'")
 
 
+def _check_sglang_section(cfg: dict[str, Any], v: dict[str, Any]) -> None:
+    sec = v.get("sglang_section")
+    if sec is None:
+        return
+    sec.update({k: x for k, x in section_defaults(SglangSection).items() if k not in sec})
+    if not Path(v["sglang"]["python"]).is_file():
+        raise _error(f"'vskipper.sglang_section' needs 'vskipper.sglang.python' = '{v['sglang']['python']}', which "
+                     "is not a file (create the SGLang environment with scripts/setup_sglang.sh)")
+    for i, w in enumerate(sec["workloads"] or []):
+        if w not in v["workloads"]:
+            raise _error(f"'vskipper.sglang_section.workloads[{i}]' = '{w}' is not one of 'vskipper.workloads' "
+                         f"({', '.join(v['workloads'])})")
+    for i, p in enumerate(sec["points"] or []):
+        if p not in v["load_points"]:
+            raise _error(f"'vskipper.sglang_section.points[{i}]' = '{p}' is not a label of 'vskipper.load_points' "
+                         f"({', '.join(v['load_points'])})")
+
+
+def sglang_section_settings(v: dict[str, Any]) -> dict[str, Any] | None:
+    """The resolved ``vskipper.sglang_section`` (None when off): ``workloads`` and ``points`` filled in from the
+    main run's, ``ablation`` true only when ``vskipper.ablations`` is non-empty."""
+    sec = v.get("sglang_section")
+    if sec is None:
+        return None
+    return {"workloads": list(sec.get("workloads") or v["workloads"]),
+            "points": list(sec.get("points") or v["load_points"]),
+            "ablation": bool(sec.get("ablation", True) and v["ablations"]),
+            "repetitions": sec.get("repetitions")}
+
+
+def engine_config(cfg: dict[str, Any], engine: str = "sglang") -> dict[str, Any]:
+    """The effective config of the SGLang section's jobs: the main config with both arm families on
+    ``engine`` (``vskipper.engines``), ``vskipper.repetitions`` from the section (when set), and the
+    extra targets, quality and the section itself removed (a plain single-engine serving run).
+
+    Raises:
+        ValueError: for an engine other than ``sglang`` or a config without the section.
+        impl.config.ConfigError: when the derived config does not validate.
+    """
+    from impl.config import validate_config
+
+    if engine != "sglang":
+        raise ValueError(f"engine_config: only 'sglang' has a section, got {engine!r}")
+    sec = sglang_section_settings(cfg["vskipper"])
+    if sec is None:
+        raise ValueError("engine_config: vskipper.sglang_section is not set")
+    out = copy.deepcopy(cfg)
+    v = out["vskipper"]
+    v["engines"] = {"upstream": engine, "routed": engine}
+    if sec["repetitions"]:
+        v["repetitions"] = sec["repetitions"]
+    for key in ("sglang_section", "cross_model", "devices", "quality", "bench"):
+        v.pop(key, None)
+    return validate_config(out, check_paths=False)
+
+
 def _check_engines(cfg: dict[str, Any], v: dict[str, Any]) -> None:
     for family in ("upstream", "routed"):
         if v["engines"][family] == "sglang" and not Path(v["sglang"]["python"]).is_file():
@@ -608,6 +679,7 @@ def check(cfg: dict[str, Any]) -> None:
     v.setdefault("load_points", dict(DEFAULT_LOAD_POINTS))
     _check_bench_serving(cfg, v)
     _check_engines(cfg, v)
+    _check_sglang_section(cfg, v)
     _check_bench_models(cfg, v)
     if v.get("quality") is not None:
         _check_quality(cfg, v)

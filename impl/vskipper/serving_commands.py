@@ -44,6 +44,8 @@ Pipeline (one rule per command in ``workflows/vskipper.smk``):
    (:mod:`impl.vskipper.serving_report`).
 9. ``vskipper-transfer-tables``: Table 6 (cross-model) and Table 7 (hardware transfer) shapes from the raw
    files of the main run and of the extra targets (:mod:`impl.vskipper.transfer`; Sec. 4.4).
+10. ``vskipper-engine-tables``: the tables of several engines' runs side by side (the main run and the
+    SGLang section, ``vskipper.sglang_section``; :mod:`impl.vskipper.engine_report`).
 """
 
 from __future__ import annotations
@@ -880,6 +882,29 @@ def cmd_vskipper_transfer_tables(args) -> None:
     log.info("vSkipper Tables 6 / 7 -> %s", args.out_dir)
 
 
+def cmd_vskipper_engine_tables(args) -> None:
+    """The vSkipper tables of several engines side by side (the report's SGLang section)."""
+    from impl.report.tables import write_table
+
+    from .engine_report import engine_tables
+
+    dirs = {}
+    for spec in args.engine:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise SystemExit(f"error: --engine takes LABEL=TABLES_DIR, got {spec!r}")
+        if label in dirs:
+            raise SystemExit(f"error: --engine {label!r} given twice")
+        if not Path(path).is_dir():
+            raise SystemExit(f"error: --engine {label}: {path} is not a folder")
+        dirs[label] = path
+    if len(dirs) < 2:
+        raise SystemExit("error: give at least two --engine LABEL=TABLES_DIR")
+    for name, df in engine_tables(dirs).items():
+        write_table(df, Path(args.out_dir) / name)
+    log.info("vSkipper engine tables (%s) -> %s", ", ".join(dirs), args.out_dir)
+
+
 def cmd_vskipper_figures(args) -> None:
     """vSkipper figures (Fig. 3 RandomSkip map, knee sweeps) from the tables."""
     from .serving_report import vskipper_figures
@@ -999,6 +1024,12 @@ def register(add) -> None:
                          "quality= (quality-cell JSONL of the workload)")
     sp.add_argument("--device", nargs="+", action="append", metavar="KEY=VALUE",
                     help=f"one Table 7 row (repeat; main first): {spec}")
+    sp.add_argument("--out-dir", required=True)
+
+    sp = add("vskipper-engine-tables", cmd_vskipper_engine_tables,
+             "vSkipper tables of several engines side by side (knee, Table 2 shape, matched-work gate)")
+    sp.add_argument("--engine", action="append", required=True, metavar="LABEL=TABLES_DIR",
+                    help="one engine's vskipper-tables folder (repeat; the main engine first)")
     sp.add_argument("--out-dir", required=True)
 
     sp = add("vskipper-figures", cmd_vskipper_figures, "vSkipper figures (Fig. 3 map, knee sweeps) from the tables")

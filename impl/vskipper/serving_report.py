@@ -186,18 +186,20 @@ def thresholds_table(docs: list[dict]) -> pd.DataFrame:
 
 def knee_tables(docs: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(rungs, summary)`` of the knee JSONs: one row per sweep rung (rate, TPS in the window, E2E, ...,
-    ``is_q_star_used``) and one per workload (status, Q*, the rate used, the load points, the rule's
-    message)."""
+    ``is_q_star_used``) and one per workload (the upstream arm's engine and attention backend, status, Q*,
+    the rate used, the load points, the rule's message)."""
     rung_cols = ["workload", "rate", "tps_window", "rps_window", "e2e_mean_s", "ttft_mean_s", "tpot_mean_s",
                  "makespan_s", "output_tokens", "is_q_star_used"]
-    sum_cols = ["workload", "model", "status", "bracketed", "q_star", "q_star_used", "requests", "max_new_tokens",
-                "eps", "rates", "load_points", "message"]
+    sum_cols = ["workload", "model", "engine", "attention_backend", "status", "bracketed", "q_star", "q_star_used",
+                "requests", "max_new_tokens", "eps", "rates", "load_points", "message"]
     rungs, summ = [], []
     for k in docs:
         for r in k.get("rows", []):
             rungs.append({"workload": k["workload"], **{c: r.get(c) for c in rung_cols[1:-1]},
                           "is_q_star_used": math.isclose(float(r["rate"]), float(k["q_star_used"]))})
-        summ.append({"workload": k["workload"], "model": k.get("model"), "status": k["status"],
+        arm = k.get("arm_settings") or {}
+        summ.append({"workload": k["workload"], "model": k.get("model"), "engine": k.get("engine", arm.get("engine")),
+                     "attention_backend": arm.get("attention_backend"), "status": k["status"],
                      "bracketed": k["bracketed"], "q_star": k["q_star"], "q_star_used": k["q_star_used"],
                      "requests": k.get("requests"), "max_new_tokens": k.get("max_new_tokens"), "eps": k.get("eps"),
                      "rates": " ".join(f"{x:g}" for x in k.get("rates", [])),

@@ -22,7 +22,7 @@ from impl.serving.sglang_arm import SGLangArm
 from impl.serving.sglang_server import SGLangLaunch
 from impl.vskipper.mode import ModeSwitch
 
-__all__ = ["ARCHITECTURE", "PACKAGE", "write_routed_model_dir", "routed_launch", "RoutedSGLangArm"]
+__all__ = ["ARCHITECTURE", "PACKAGE", "NO_GRAPHS", "write_routed_model_dir", "routed_launch", "RoutedSGLangArm"]
 
 #: the class name SGLang looks up in the checkpoint's ``architectures``
 ARCHITECTURE = "VSkipperLlamaForCausalLM"
@@ -96,10 +96,19 @@ def write_routed_model_dir(model_dir: str | os.PathLike, out_dir: str | os.PathL
     return out
 
 
+#: launch arguments of every routed server: no CUDA (or CPU) graphs. A routed step's control flow depends on
+#: the batch (the route tape's all-RUN flags, the cohorts' sizes, the mode controller's decisions on the
+#: host), so a captured graph would replay the routes of the step it was captured on.
+NO_GRAPHS = ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")
+
+
 def routed_launch(launch: SGLangLaunch) -> SGLangLaunch:
-    """``launch`` with the vSkipper model package registered (its ``model_dir`` must be a directory from
-    :func:`write_routed_model_dir`)."""
-    return replace(launch, external_model_package=PACKAGE)
+    """``launch`` with the vSkipper model package registered and graph capture off (:data:`NO_GRAPHS`); its
+    ``model_dir`` must be a directory from :func:`write_routed_model_dir`."""
+    extra = tuple(launch.extra_args)
+    if not any(a.startswith("--cuda-graph-backend") for a in extra):
+        extra = extra + NO_GRAPHS
+    return replace(launch, external_model_package=PACKAGE, extra_args=extra)
 
 
 class RoutedSGLangArm(SGLangArm):

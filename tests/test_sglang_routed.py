@@ -151,6 +151,28 @@ def test_the_served_arms_on_sglang_are_routed_servers_with_their_switches(tmp_pa
                           model_dir=_hf_dir(tmp_path / "q", "Qwen3ForCausalLM"), checkpoint=tmp_path / "ckpt")
 
 
+def test_the_routed_sglang_check_refuses_bad_arguments_before_any_server(tmp_path):
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3]}) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+    def run(model_dir, *routed):
+        return subprocess.run([sys.executable, "-m", "impl", "sglang-check", "--config", str(ROOT / "configs" / "smoke.yaml"),
+                               "--model-dir", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+                               "--summary", str(tmp_path / "s"), "--sglang-python", sys.executable, "--routed", *routed],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    for routed, msg in ((("1.5", "0.5"), "0 <= R <= 1"), (("0.5", "0"), "0 < D <= 1")):
+        p = run(_hf_dir(tmp_path / "m"), *routed)
+        assert p.returncode != 0 and msg in p.stderr, p.stderr[-800:]
+    p = run(_hf_dir(tmp_path / "q", "Qwen3ForCausalLM"), "0.5", "0.5")
+    assert p.returncode != 0 and "LlamaForCausalLM" in p.stderr and "Qwen3ForCausalLM" in p.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "s").exists()
+
+
 def test_greedy_ids_checks_request_ids_before_sending():
     with pytest.raises(ValueError, match="rids"):
         greedy_ids("http://127.0.0.1:9", [[1], [2]], 4, rids=["a", "a"])
@@ -376,3 +398,21 @@ def test_a_matched_cell_runs_routed_sglang_beside_upstream_sglang_and_the_transf
         if r["kind"] == "request" and r["phase"] == "measure":
             counts.setdefault(r["request_id"], {})[r["arm"]] = r["output_tokens"]
     assert all(v["always-route"] == v["transformers"] for v in counts.values()), counts
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_the_routed_sglang_check_passes_on_the_wide_model(wide, tmp_path):
+    """The recorded check's own code (python -m impl sglang-check --routed) on the wide model: both arms PASS,
+    the K/V self-check saw Project-Only rows, RandomSkip skipped about r * d of the routed pairs."""
+    from impl.vskipper.sglang_check import check_routed_against_transformers
+
+    rows, summary = check_routed_against_transformers(wide["base"].model_dir, PROMPTS[:3], 8, wide["base"], r=0.5,
+                                                      d=0.5, routed_layers=LAYERS, prompt_ids=["a", "b", "c"],
+                                                      log_dir=tmp_path)
+    assert summary["verdict"] == "PASS", summary
+    assert len(rows) == 2 * 2 * 3 and all(r["ids_match"] for r in rows)
+    rs = summary["arms"]["randomskip"]
+    assert rs["kv_check_rows"] > 0 and rs["kv_check_max_abs_diff"] <= 1e-5
+    assert all(0.05 < s < 0.6 for s in rs["project_only_share"].values()), rs
+    assert summary["arms"]["all-run"]["project_only_share"] == {"prefill": 0.0, "decode": 0.0}

@@ -18,28 +18,47 @@ token and transformers' (compared over the common prefix of the two outputs). Th
 
 Command: ``python -m impl sglang-check --config configs/default.yaml --model-dir models/smollm2
 --prompts results/workloads/smollm2/gsm8k.jsonl --out rows.jsonl --summary summary.json``.
+
+**vSkipper inside SGLang** (``--routed R D``, :func:`check_routed_against_transformers`; item 4 of the
+issue on the real model): two more servers of the same model with vSkipper as an out-of-tree model
+(:mod:`impl.vskipper.sglang_model`), RandomSkip over ``routed_layers`` (default: the second half, as
+FlexiDepth routes), each request's id its prompt's name:
+
+- ``all-run`` (r = 0: every row RUNs through the routed layer stack) against the same transformers
+  reference as upstream (the unrouted model): ids equal;
+- ``randomskip`` (r, d) against :func:`~impl.vskipper.routed.plain_greedy` on the model with the same
+  RandomSkip installed and the same request ids: ids equal (float32), with the server's Invariant-1
+  self-check (``check_kv``: every Project-Only row's K/V in SGLang's pool equal the layer's own projection,
+  largest difference reported) and its realised Project-Only share per phase.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from impl.serving.sglang_server import DEFAULT_SGLANG_PYTHON, SGLangLaunch, SGLangServer, greedy_ids, launch_args
 
-__all__ = ["check_greedy_against_transformers", "compare_greedy", "transformers_greedy", "register"]
+__all__ = ["check_greedy_against_transformers", "check_routed_against_transformers", "compare_greedy",
+           "transformers_greedy", "register"]
 
 log = logging.getLogger(__name__)
 MODES = ("solo", "batched")
 
 
 def transformers_greedy(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                        dtype: str = "float32", device: str = "cpu") -> list[dict]:
+                        dtype: str = "float32", device: str = "cpu", skipper=None,
+                        request_ids: Sequence[str] | None = None) -> list[dict]:
     """The transformers reference: :func:`~impl.vskipper.routed.plain_greedy` on each prompt (EOS ignored).
+
+    Args:
+        skipper: optional skip policy installed as routed layers (every row routed), with ``request_ids``
+            (one per prompt; default ``ref-<i>``) the ids its routes hash.
 
     Returns:
         one dict per prompt: ``output_ids`` (list[int], ``max_new_tokens`` of them) and ``logprobs``
@@ -50,13 +69,16 @@ def transformers_greedy(model_dir: str | os.PathLike, prompts: Sequence[Sequence
 
     from impl.models.load import load_model
 
-    from .routed import plain_greedy
+    from .routed import install_routed_layers, plain_greedy
 
     model = load_model(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    if skipper is not None:
+        install_routed_layers(model, skipper.to(device=device, dtype=getattr(torch, dtype)))
+    rids = list(request_ids) if request_ids is not None else [f"ref-{i}" for i in range(len(prompts))]
     out = []
     with torch.inference_mode():
-        for i, p in enumerate(prompts):
-            ids, logits = plain_greedy(model, list(p), request_id=f"ref-{i}", max_new_tokens=int(max_new_tokens),
+        for rid, p in zip(rids, prompts):
+            ids, logits = plain_greedy(model, list(p), request_id=str(rid), max_new_tokens=int(max_new_tokens),
                                        return_logits=True)
             lp = [float(torch.log_softmax(lg.float(), -1)[t]) for lg, t in zip(logits, ids)]
             out.append({"output_ids": [int(t) for t in ids], "logprobs": lp})
@@ -139,6 +161,112 @@ def check_greedy_against_transformers(model_dir: str | os.PathLike, prompts: Seq
     return rows, summary
 
 
+def check_routed_against_transformers(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]],
+                                      max_new_tokens: int, launch: SGLangLaunch, *, r: float, d: float,
+                                      routed_layers: Sequence[int] | None = None, seed: int = 0,
+                                      prompt_ids: Sequence[str] | None = None,
+                                      log_dir: str | os.PathLike | None = None,
+                                      ready_timeout_s: float = 900.0) -> tuple[list[dict], dict]:
+    """vSkipper inside SGLang against the transformers references (module docstring, ``--routed``).
+
+    Args:
+        model_dir: a Llama-family Hugging Face directory. prompts, max_new_tokens: as
+            :func:`check_greedy_against_transformers`. launch: the SGLang settings (its ``model_dir`` is
+            replaced by the routed directories). r, d: RandomSkip's row fraction and layer fraction.
+        routed_layers: the routed layers (default: the second half of the model's layers).
+        seed: RandomSkip's seed. prompt_ids: the prompts' names, also their request ids on both engines.
+        log_dir: where the two servers' logs go (default: temporary files).
+
+    Returns:
+        ``(rows, summary)``: one row per (arm in ``all-run`` / ``randomskip``, prompt, mode) and a summary
+        per arm (``verdict`` as :func:`check_greedy_against_transformers`, the server's K/V check and its
+        realised Project-Only share per phase).
+
+    Raises:
+        ValueError: for a model that is not Llama-family, bad r / d, no prompts; FileNotFoundError /
+        RuntimeError: from the server start.
+    """
+    import tempfile
+
+    from .random_skip import RandomSkip
+    from .sglang_routed import routed_launch, write_routed_model_dir
+
+    if not prompts or int(max_new_tokens) < 1:
+        raise ValueError("need at least one prompt and max_new_tokens >= 1")
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    L = int(cfg["num_hidden_layers"])
+    layers = list(routed_layers) if routed_layers is not None else list(range(L // 2, L))
+    names = list(prompt_ids) if prompt_ids is not None else [f"p{i}" for i in range(len(prompts))]
+    exact = launch.dtype == "float32"
+    arms = {"all-run": {"routed_layers": layers, "r": 0.0, "d": float(d), "seed": int(seed)},
+            "randomskip": {"routed_layers": layers, "r": float(r), "d": float(d), "seed": int(seed)}}
+    skipper = RandomSkip(**arms["randomskip"])  # refuses bad r / d before any server
+    t0 = time.perf_counter()
+    refs = {"all-run": transformers_greedy(model_dir, prompts, max_new_tokens, dtype=launch.dtype,
+                                           device=launch.device),
+            "randomskip": transformers_greedy(model_dir, prompts, max_new_tokens, dtype=launch.dtype,
+                                              device=launch.device, skipper=skipper, request_ids=names)}
+    ref_s = time.perf_counter() - t0
+    rows, per_arm = [], {}
+    with tempfile.TemporaryDirectory(prefix="vskipper-sglang-check-") as tmp:
+        for arm, kw in arms.items():
+            stats = Path(tmp) / f"{arm}.stats.json"
+            routed = write_routed_model_dir(model_dir, Path(tmp) / arm, "random", kw, check_kv=True,
+                                            stats_path=stats)
+            log_path = None if log_dir is None else Path(log_dir) / f"sglang-{arm}.log"
+            rl = routed_launch(_serve_dir(launch, routed))
+            with SGLangServer(rl, log_path=log_path, ready_timeout_s=ready_timeout_s) as srv:
+                got = {"solo": greedy_ids(srv.url, prompts, max_new_tokens, concurrent=False,
+                                          rids=[f"{n}-solo" for n in names]),
+                       "batched": greedy_ids(srv.url, prompts, max_new_tokens, concurrent=True, rids=names)}
+                startup = srv.startup_s
+            if arm == "randomskip":  # the solo requests hash their own ids: references per id
+                refs["randomskip-solo"] = transformers_greedy(
+                    model_dir, prompts, max_new_tokens, dtype=launch.dtype, device=launch.device, skipper=skipper,
+                    request_ids=[f"{n}-solo" for n in names])
+            body = json.loads(stats.read_text()) if stats.is_file() else {}
+            arm_rows = []
+            for mode in MODES:
+                ref = refs["randomskip-solo" if arm == "randomskip" and mode == "solo" else arm]
+                for name, p, rr, g in zip(names, prompts, ref, got[mode]):
+                    c = compare_greedy(rr, g)
+                    verdict = ("PASS" if c["ids_match"] else "FAIL") if exact else \
+                        ("AGREE" if c["ids_match"] else f"DIVERGED at {c['first_diff']}")
+                    arm_rows.append({"engine": "sglang", "arm": arm, "prompt": name, "mode": mode,
+                                     "prompt_tokens": len(p), "max_new_tokens": int(max_new_tokens),
+                                     "dtype": launch.dtype, "device": launch.device, **c, "verdict": verdict,
+                                     "sglang_ids": g["output_ids"], "reference_ids": rr["output_ids"]})
+            counts = body.get("counts") or {}
+            kv = body.get("kv_check") or {}
+            ok = all(x["ids_match"] for x in arm_rows)
+            per_arm[arm] = {
+                "verdict": ("PASS" if ok else "FAIL") if exact else ("AGREE" if ok else "DIVERGED"),
+                "ids_match": sum(x["ids_match"] for x in arm_rows), "rows": len(arm_rows),
+                "mean_agreement": sum(x["agreement"] for x in arm_rows) / len(arm_rows),
+                "project_only_share": {ph: (c[1] / (c[0] + c[1]) if (c[0] + c[1]) else None)
+                                       for ph, c in counts.items()},
+                "kv_check_rows": kv.get("rows", 0), "kv_check_max_abs_diff": kv.get("max_abs_diff"),
+                "startup_s": startup, **{k: v for k, v in kw.items() if k != "routed_layers"}}
+            rows += arm_rows
+    rs = per_arm["randomskip"]
+    kv_ok = rs["kv_check_rows"] > 0 and (rs["kv_check_max_abs_diff"] or 0.0) <= 1e-5
+    verdicts = [a["verdict"] for a in per_arm.values()]
+    summary = {"verdict": ("PASS" if all(v == "PASS" for v in verdicts) and kv_ok else "FAIL") if exact else
+               ("AGREE" if all(v == "AGREE" for v in verdicts) else "DIVERGED"),
+               "policy": "ids equal (float32) and Project-Only K/V equal the layer's own (|diff| <= 1e-5)" if exact
+               else "agreement rate (reduced precision)",
+               "arms": per_arm, "routed_layers": layers, "reference_s": ref_s, "model_dir": str(model_dir),
+               "command": launch_args(routed_launch(launch), 0)}
+    return rows, summary
+
+
+def _serve_dir(launch: SGLangLaunch, model_dir) -> SGLangLaunch:
+    """``launch`` serving ``model_dir`` (answering to the original directory's name)."""
+    from dataclasses import replace
+
+    return replace(launch, model_dir=model_dir, served_model_name=launch.served_model_name or str(launch.model_dir))
+
+
 def _backend(cmd: list[str]) -> str | None:
     return cmd[cmd.index("--attention-backend") + 1] if "--attention-backend" in cmd else None
 
@@ -163,6 +291,26 @@ def cmd_sglang_check(args) -> None:
     launch = SGLangLaunch(model_dir=args.model_dir, python=args.sglang_python, device=core.device, dtype=core.dtype,
                           max_total_tokens=args.max_total_tokens, threads=args.server_threads)
     prov = run_provenance(cfg)
+    if args.routed is not None:
+        r, d = args.routed
+        if not (0.0 <= r <= 1.0 and 0.0 < d <= 1.0):
+            raise SystemExit(f"error: --routed R D needs 0 <= R <= 1 and 0 < D <= 1, got {r} {d}")
+        arch = (json.loads((Path(args.model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
+        if arch != "LlamaForCausalLM":
+            raise SystemExit(f"error: --routed serves LlamaForCausalLM checkpoints, {args.model_dir} is {arch}")
+        rows, summary = check_routed_against_transformers(
+            args.model_dir, prompts, args.max_new_tokens, launch, r=r, d=d, routed_layers=args.routed_layers,
+            seed=cfg.get("seed", 0), prompt_ids=ids, log_dir=args.server_log_dir)
+        write_jsonl(args.out, [{**x, **prov} for x in rows])
+        write_json(args.summary, {**summary, "provenance": prov})
+        for arm, a in summary["arms"].items():
+            print(f"sglang-check --routed {arm}: {a['verdict']} {a['ids_match']}/{a['rows']} rows with equal ids; "
+                  f"Project-Only share {a['project_only_share']}; K/V check {a['kv_check_rows']} rows, max |diff| "
+                  f"{a['kv_check_max_abs_diff']}; start-up {a['startup_s']:.0f} s")
+        print(f"sglang-check --routed: {summary['verdict']}")
+        if summary["verdict"] == "FAIL":
+            raise SystemExit(1)
+        return
     rows, summary = check_greedy_against_transformers(args.model_dir, prompts, args.max_new_tokens, launch,
                                                       prompt_ids=ids, log_path=args.server_log)
     write_jsonl(args.out, [{**r, **prov} for r in rows])
@@ -189,5 +337,11 @@ def register(add) -> None:
     sp.add_argument("--max-total-tokens", type=positive_int, default=16384, help="SGLang's KV cache [tokens]")
     sp.add_argument("--server-threads", type=positive_int, default=None, help="torch threads of the server (CPU)")
     sp.add_argument("--server-log", default=None, help="where the server's log goes (default: a temporary file)")
+    sp.add_argument("--routed", nargs=2, type=float, metavar=("R", "D"), default=None,
+                    help="check vSkipper inside SGLang instead: all-RUN routed and RandomSkip (r=R, d=D) servers "
+                         "against the transformers references (module docstring)")
+    sp.add_argument("--routed-layers", type=int, nargs="+", default=None,
+                    help="with --routed: the routed layers (default: the second half)")
+    sp.add_argument("--server-log-dir", default=None, help="with --routed: a folder for the two servers' logs")
     sp.add_argument("--out", required=True, help="JSONL rows to write")
     sp.add_argument("--summary", required=True, help="summary JSON to write")

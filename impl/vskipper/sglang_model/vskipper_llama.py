@@ -153,8 +153,10 @@ class VSkipperLlamaDecoderLayer(LlamaDecoderLayer):
         """Invariant 1 on the KV pool: the K/V stored at the Project-Only rows' ``out_cache_loc`` slots equal
         this layer's own projection of those rows (recomputed here on the Project-Only rows alone).
 
-        Adds to ``acc``: ``rows`` (Project-Only (row, layer) pairs checked) and ``max_abs_diff`` (largest
-        |stored - recomputed| over K and V)."""
+        Adds to ``acc``: ``rows`` (Project-Only (row, layer) pairs checked), ``max_abs_diff`` (largest
+        |stored - recomputed| over K and V) and ``max_rel_diff`` (the same over the largest |K|, |V| of the
+        check: the recomputation runs on fewer rows, so a GEMM may round differently, ~1e-7 relative in
+        float32)."""
         attn = self.self_attn
         h_po = hidden_states.index_select(0, po_idx)  # [n_po, H]
         _, k_po, v_po = attn.forward_prepare_native(positions.reshape(-1).index_select(0, po_idx),
@@ -166,8 +168,10 @@ class VSkipperLlamaDecoderLayer(LlamaDecoderLayer):
         v_cache = pool.get_value_buffer(layer_id).index_select(0, loc)
         diff = max(float((k_cache.reshape(k_po.shape).float() - k_po.float()).abs().max()),
                    float((v_cache.reshape(v_po.shape).float() - v_po.float()).abs().max()))
+        scale = max(float(k_po.float().abs().max()), float(v_po.float().abs().max()), 1e-30)
         acc["rows"] = acc.get("rows", 0) + int(po_idx.numel())
         acc["max_abs_diff"] = max(acc.get("max_abs_diff", 0.0), diff)
+        acc["max_rel_diff"] = max(acc.get("max_rel_diff", 0.0), diff / scale)
 
 
 class _RouteCounts:

@@ -248,6 +248,13 @@ def check_routed_against_transformers(model_dir: str | os.PathLike, prompts: Seq
                 "mean_agreement": sum(x["agreement"] for x in arm_rows) / len(arm_rows),
                 "project_only_share": {ph: (c[1] / (c[0] + c[1]) if (c[0] + c[1]) else None)
                                        for ph, c in counts.items()},
+                # phase -> [RUN, Project-Only] over routed (row, layer) pairs, SGLang's own start-up warm-up
+                # request included (one request with a random id, so its routes vary from run to run)
+                "route_counts": counts,
+                "expected_routed_pairs": {  # the checked requests: every prompt token prefilled once, every new
+                    # token but the first (it comes from the prefill) decoded once
+                    "prefill": len(MODES) * len(layers) * sum(len(p) for p in prompts),
+                    "decode": len(MODES) * len(layers) * len(prompts) * (int(max_new_tokens) - 1)},
                 "kv_check_rows": kv.get("rows", 0), "kv_check_max_abs_diff": kv.get("max_abs_diff"),
                 "kv_check_max_rel_diff": kv.get("max_rel_diff"),
                 "startup_s": startup, **{k: v for k, v in kw.items() if k != "routed_layers"}}

@@ -157,7 +157,9 @@ def test_the_routed_sglang_check_refuses_bad_arguments_before_any_server(tmp_pat
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3]}) + "\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    from conftest import DATA_DIR
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "IMPL_DATA_DIR": str(DATA_DIR)}
 
     def run(model_dir, *routed):
         return subprocess.run([sys.executable, "-m", "impl", "sglang-check", "--config", str(ROOT / "configs" / "smoke.yaml"),
@@ -206,6 +208,20 @@ def _ids(out: dict, mode: str) -> list[list[int]]:
     return [o["output_ids"] for o in out[mode]]
 
 
+def _engine_ids(model, skipper) -> dict:
+    """The project's routed transformers engine on PROMPTS under ``skipper``, with the request ids of
+    :func:`_ask` (``-a`` for the alone set)."""
+    from impl.vskipper.engine import bind_skipper, generate_greedy, unbind_skipper
+
+    bind_skipper(model, skipper)
+    try:
+        return {mode: generate_greedy(model, PROMPTS, max_new_tokens=N_NEW, mode="routed",
+                                      request_ids=[r + ("-a" if mode == "alone" else "") for r in RIDS])
+                for mode in ("alone", "batched")}
+    finally:
+        unbind_skipper(model)
+
+
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory, tiny_tokenizer):
     """The wide random Llama (skipped layers move its ids), its directory, and upstream SGLang's ids on it."""
@@ -220,7 +236,6 @@ def wide(tmp_path_factory, tiny_tokenizer):
 @needs_sglang
 @pytest.mark.slow
 def test_routed_sglang_equals_upstream_all_run_and_the_transformers_engine_under_randomskip(wide, tmp_path):
-    from impl.vskipper.engine import bind_skipper, generate_greedy, unbind_skipper
     from impl.vskipper.random_skip import RandomSkip
 
     model, base, upstream = wide["model"], wide["base"], wide["upstream"]
@@ -240,13 +255,7 @@ def test_routed_sglang_equals_upstream_all_run_and_the_transformers_engine_under
                                     stats_path=stats)
     routed = _served(routed_launch(replace(base, model_dir=rs_dir)), tmp_path / "rs.log")
     skipper = RandomSkip(LAYERS, r=0.5, d=0.5, seed=0)
-    bind_skipper(model, skipper)
-    try:
-        ref = {mode: generate_greedy(model, PROMPTS, max_new_tokens=N_NEW, mode="routed",
-                                     request_ids=[r + ("-a" if mode == "alone" else "") for r in RIDS])
-               for mode in ("alone", "batched")}
-    finally:
-        unbind_skipper(model)
+    ref = _engine_ids(model, skipper)
     for mode in ("alone", "batched"):
         assert _ids(routed, mode) == ref[mode], mode
     # the routes changed the computation (the wide model's ids move when layers are skipped) ...
@@ -314,7 +323,6 @@ def test_the_mode_switch_inside_sglang_replays_exactly_and_restarts_with_each_ru
 @needs_sglang
 @pytest.mark.slow
 def test_flexidepth_on_sglang_agrees_with_the_transformers_engine(wide, tmp_path):
-    from impl.vskipper.engine import bind_skipper, generate_greedy, unbind_skipper
     from impl.vskipper.flexidepth import FlexiDepthSkipper
 
     model, base = wide["model"], wide["base"]
@@ -326,13 +334,7 @@ def test_flexidepth_on_sglang_agrees_with_the_transformers_engine(wide, tmp_path
     d = write_routed_model_dir(base.model_dir, tmp_path / "fd", "flexidepth", {"checkpoint": str(ckpt.resolve())},
                                check_kv=True, stats_path=stats)
     served = _served(routed_launch(replace(base, model_dir=d)), tmp_path / "fd.log")
-    bind_skipper(model, sk)
-    try:
-        ref = {mode: generate_greedy(model, PROMPTS, max_new_tokens=N_NEW, mode="routed",
-                                     request_ids=[r + ("-a" if mode == "alone" else "") for r in RIDS])
-               for mode in ("alone", "batched")}
-    finally:
-        unbind_skipper(model)
+    ref = _engine_ids(model, sk)
     body = json.loads(stats.read_text())
     po = sum(c[1] for c in body["counts"].values())
     run = sum(c[0] for c in body["counts"].values())

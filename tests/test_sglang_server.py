@@ -160,7 +160,9 @@ def test_a_server_that_dies_at_start_up_says_why(fake_sglang, tmp_path):
 
 
 def test_sglang_check_command_refuses_bad_arguments_before_any_server(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    from conftest import DATA_DIR
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "IMPL_DATA_DIR": str(DATA_DIR)}
     r = subprocess.run([sys.executable, "-m", "impl", "sglang-check", "--config", str(ROOT / "configs" / "smoke.yaml"),
                         "--model-dir", str(tmp_path), "--prompts", str(tmp_path / "p.jsonl"), "--out", "o", "--summary",
                         "s", "--sglang-python", str(tmp_path / "nope")], cwd=ROOT, env=env, capture_output=True, text=True)

@@ -144,6 +144,14 @@ def vsk_tsig(kind, top, keys):
     return params
 
 
+def vsks_sig(*keys):
+    """sig() of the SGLang section's effective config (workflows/vskipper_sglang.smk's VSKS_CFG) over its
+    timed top-level keys, the model, engines and sglang keys and ``keys`` of the vskipper section."""
+    from impl.vskipper.targets import target_sig
+
+    return target_sig(VSKS_CFG, VSKS_TOP, ("model", "engines", "sglang") + keys)
+
+
 def vsk_xm_cfg(w):
     """Input function: the effective config of extra model {vsk_xmodel}."""
     return vsk_tcfg_path("models", w.vsk_xmodel)

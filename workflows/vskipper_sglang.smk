@@ -14,8 +14,6 @@ from impl.vskipper.serving_report import TABLE_NAMES as VSK_TABLE_NAMES
 VSKS = sglang_section_settings(VSK) if VSK else None
 VSKS_REPORT_INPUTS = []
 if VSKS:
-    from impl.vskipper.targets import target_sig
-
     VSKS_DIR = f"{VSK_DIR}/engines/sglang"
     VSKS_TABLES = f"{VSK_TABLES}/sglang"
     VSKS_CFG_PATH = f"{RESULTS}/.config/vskipper/engines/sglang.json"
@@ -27,10 +25,6 @@ if VSKS:
     _e = VSK["engines"]
     VSKS_MAIN_ENGINE = _e["upstream"] if _e["upstream"] == _e["routed"] else f"{_e['upstream']}+{_e['routed']}"
 
-
-    def vsks_sig(*keys):
-        """sig() of the SGLang section's effective config over the main rule's keys plus the engines."""
-        return target_sig(VSKS_CFG, VSKS_TOP, ("model", "engines", "sglang") + keys)
 
 
     use rule vskipper_knee as vskipper_sglang_knee with:

@@ -291,7 +291,10 @@ class RowContext:
         self._tape = tape
         return tape
 
-    def _record(self, layer_idx: int, run: torch.Tensor, meta: RowMeta) -> None:
+    def record(self, layer_idx: int, run: torch.Tensor, meta: RowMeta) -> None:
+        """Add one routed layer's RUN / Project-Only counts per phase (``run`` ``[n_rows]`` bool over
+        ``meta``'s rows) to :attr:`counts`, for policies that route per layer (the route tape counts
+        a request-hash policy's whole step in :meth:`tape`)."""
         routed = meta.routed_mask
         for ph in (0, 1):
             sel = routed & (meta.phase == ph)
@@ -423,7 +426,7 @@ class RoutedDecoderLayer(nn.Module):
                 routed = meta.routed_mask
                 run = run | ~routed
                 if ctx.record_stats:
-                    ctx._record(self.layer_idx, run, meta)
+                    ctx.record(self.layer_idx, run, meta)
             if self.fast_path and bool(run.all()) and (self.skipper.identity_run or not bool(routed.any())):
                 return self.layer(hidden_states, **layer_kwargs)
         return self._cohort_forward(hidden_states, run, meta, attention_mask, position_ids, cache, use_cache,

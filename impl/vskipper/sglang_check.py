@@ -217,7 +217,7 @@ def check_routed_against_transformers(model_dir: str | os.PathLike, prompts: Seq
             routed = write_routed_model_dir(model_dir, Path(tmp) / arm, "random", kw, check_kv=True,
                                             stats_path=stats)
             log_path = None if log_dir is None else Path(log_dir) / f"sglang-{arm}.log"
-            rl = routed_launch(_serve_dir(launch, routed))
+            rl = routed_launch(launch, routed)
             with SGLangServer(rl, log_path=log_path, ready_timeout_s=ready_timeout_s) as srv:
                 got = {"solo": greedy_ids(srv.url, prompts, max_new_tokens, concurrent=False,
                                           rids=[f"{n}-solo" for n in names]),
@@ -270,13 +270,6 @@ def check_routed_against_transformers(model_dir: str | os.PathLike, prompts: Seq
                "arms": per_arm, "routed_layers": layers, "reference_s": ref_s, "model_dir": str(model_dir),
                "command": launch_args(routed_launch(launch), 0)}
     return rows, summary
-
-
-def _serve_dir(launch: SGLangLaunch, model_dir) -> SGLangLaunch:
-    """``launch`` serving ``model_dir`` (answering to the original directory's name)."""
-    from dataclasses import replace
-
-    return replace(launch, model_dir=model_dir, served_model_name=launch.served_model_name or str(launch.model_dir))
 
 
 def _backend(cmd: list[str]) -> str | None:

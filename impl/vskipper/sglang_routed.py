@@ -102,12 +102,22 @@ def write_routed_model_dir(model_dir: str | os.PathLike, out_dir: str | os.PathL
 NO_GRAPHS = ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")
 
 
-def routed_launch(launch: SGLangLaunch) -> SGLangLaunch:
-    """``launch`` with the vSkipper model package registered and graph capture off (:data:`NO_GRAPHS`); its
-    ``model_dir`` must be a directory from :func:`write_routed_model_dir`."""
+def routed_launch(launch: SGLangLaunch, routed_dir: str | os.PathLike | None = None) -> SGLangLaunch:
+    """``launch`` with the vSkipper model package registered and graph capture off (:data:`NO_GRAPHS`).
+
+    Args:
+        launch: the server settings; its ``model_dir`` is a directory from :func:`write_routed_model_dir`
+            unless ``routed_dir`` is given.
+        routed_dir: serve this routed directory (from :func:`write_routed_model_dir`) instead, answering to
+            the name ``launch`` answers to (its ``served_model_name``, else its ``model_dir``), so requests
+            name the base model on every arm.
+    """
     extra = tuple(launch.extra_args)
     if not any(a.startswith("--cuda-graph-backend") for a in extra):
         extra = extra + NO_GRAPHS
+    if routed_dir is not None:
+        launch = replace(launch, model_dir=Path(routed_dir),
+                         served_model_name=launch.served_model_name or str(launch.model_dir))
     return replace(launch, external_model_package=PACKAGE, extra_args=extra)
 
 
@@ -147,9 +157,7 @@ class RoutedSGLangArm(SGLangArm):
             self._workdir.cleanup()
             raise
         self.policy, self.policy_kwargs, self.switch = str(policy), kw, switch
-        served = launch.served_model_name or str(launch.model_dir)
-        super().__init__(routed_launch(replace(launch, model_dir=routed, served_model_name=served)), name=name,
-                         **arm_kwargs)
+        super().__init__(routed_launch(launch, routed), name=name, **arm_kwargs)
 
     def route_stats(self) -> dict | None:
         """The server's latest stats (counts per phase since the last run started, the mode controller's

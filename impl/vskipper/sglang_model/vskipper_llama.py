@@ -24,7 +24,9 @@ forward modes are refused at start-up / at the first such step.
 **Modes** (Sec. 3.3). Without a ``switch`` every request is routed in both phases (always-route). With
 one, a :class:`~impl.vskipper.mode.ModeController` (the project's own, as on the transformers engine) plans
 every step's rows: it is the same host-side state machine, fed the same :class:`RowMeta`, with the share
-probes read from this model's per-(layer, phase) counters. Two differences from the transformers engine,
+probes read from the per-(layer, phase) counters of the model's
+:class:`~impl.vskipper.routed.RowContext` (the same side channel the transformers binding uses: planner,
+route tape, counters). Two differences from the transformers engine,
 both from SGLang's scheduler: a batch is either an extend (prefill) or a decode batch, never both, so the
 decode load is the decode batch's size; and the server lives across runs, so the controller is replaced
 (and the route counters zeroed) whenever a warm-up request (request id starting with
@@ -63,7 +65,8 @@ from sglang.srt.utils import add_prefix
 
 from impl.serving.sglang_arm import WARMUP_PREFIX
 from impl.vskipper.mode import ModeController, ModeSwitch
-from impl.vskipper.skipper import Phase, RowMeta, as_run_mask, build_skipper, check_route_tape, validate_skipper
+from impl.vskipper.routed import RowContext
+from impl.vskipper.skipper import Phase, RowMeta, as_run_mask, build_skipper, validate_skipper
 
 
 def rows_of_forward_batch(forward_batch, positions: torch.Tensor, n_rows: int) -> RowMeta:
@@ -174,28 +177,6 @@ class VSkipperLlamaDecoderLayer(LlamaDecoderLayer):
         acc["max_rel_diff"] = max(acc.get("max_rel_diff", 0.0), diff / scale)
 
 
-class _RouteCounts:
-    """The counters a :class:`~impl.vskipper.mode.ModeController` reads for its share probes (the planner
-    protocol of :class:`impl.vskipper.routed.RowContext`): ``counts[(layer, phase)] = (RUN, Project-Only)``
-    over routed rows."""
-
-    record_stats = True
-
-    def __init__(self):
-        self.counts: dict[tuple[int, int], tuple[int, int]] = {}
-
-    def add(self, layer: int, phase: int, n_run: int, n_po: int) -> None:
-        r, p = self.counts.get((layer, phase), (0, 0))
-        self.counts[(layer, phase)] = (r + n_run, p + n_po)
-
-    def per_phase(self) -> dict[str, list[int]]:
-        out = {ph.name.lower(): [0, 0] for ph in (Phase.PREFILL, Phase.DECODE)}
-        for (_, ph), (r, p) in self.counts.items():
-            c = out[Phase(ph).name.lower()]
-            c[0], c[1] = c[0] + r, c[1] + p
-        return out
-
-
 class VSkipperLlamaModel(nn.Module):
     """SGLang's ``LlamaModel`` layout (``embed_tokens``, ``layers``, ``norm``: the checkpoint's names) with
     :class:`VSkipperLlamaDecoderLayer` layers and the skipper of ``config.vskipper``.
@@ -235,11 +216,18 @@ class VSkipperLlamaModel(nn.Module):
         self._stats_path = spec.get("stats_path")
         self._stats_modes = bool(spec.get("stats_modes"))
         self._switch = None if spec.get("switch") is None else ModeSwitch.from_fields(dict(spec["switch"]))
-        self.controller = None if self._switch is None else ModeController(self._switch)
         self.runs = 0  # warm-ups seen: each starts a run with a fresh controller
         self.kv_check: dict | None = {} if spec.get("check_kv") else None
-        self.route_counts = _RouteCounts()
+        # the project's row context: the planner (mode controller), the step's route tape and the
+        # (layer, phase) RUN / Project-Only counters the controller's share probes read
+        self.row_ctx = RowContext(record_stats=self._switch is not None or bool(self._stats_path))
+        self.row_ctx.planner = None if self._switch is None else ModeController(self._switch)
         self.steps = 0
+
+    @property
+    def controller(self) -> ModeController | None:
+        """The current run's mode controller (None without a switch)."""
+        return self.row_ctx.planner
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -249,25 +237,10 @@ class VSkipperLlamaModel(nn.Module):
             self.skipper.to(device=like.device, dtype=like.dtype)
             self._placed = True
 
-    def _count(self, layers: list[int], runs: list[torch.Tensor], meta: RowMeta) -> None:
-        """Add one step's (RUN, Project-Only) counts of routed rows per (layer, phase): one host sync."""
-        if not layers:
-            return
-        run = torch.stack(runs)  # [n_layers, T] bool
-        routed = meta.routed_mask  # [T]
-        per = []
-        for ph in (int(Phase.PREFILL), int(Phase.DECODE)):
-            sel = routed & (meta.phase == ph)  # [T]
-            per.append(torch.stack([(run & sel).sum(dim=1), (~run & sel).sum(dim=1)], dim=1))  # [n_layers, 2]
-        counts = torch.stack(per).tolist()  # [2 phases][n_layers][RUN, PO]
-        for p_i, ph in enumerate((int(Phase.PREFILL), int(Phase.DECODE))):
-            for layer, (n_run, n_po) in zip(layers, counts[p_i]):
-                if n_run or n_po:
-                    self.route_counts.add(layer, ph, n_run, n_po)
-
     def _write_stats(self) -> None:
         body = {"steps": self.steps, "runs": self.runs, "policy": type(self.skipper).__name__,
-                "counts": self.route_counts.per_phase(),
+                "counts": {ph.name.lower(): [sum(c[k] for (_, p), c in self.row_ctx.counts.items() if p == int(ph))
+                                             for k in (0, 1)] for ph in (Phase.PREFILL, Phase.DECODE)},
                 "mode": None if self.controller is None else self.controller.summary(),
                 "modes": None if self.controller is None or not self._stats_modes else {  # replayable per request
                     "prefill": dict(self.controller.prefill_mode), "routed_from": dict(self.controller.routed_from)},
@@ -283,15 +256,15 @@ class VSkipperLlamaModel(nn.Module):
         warm = [r is not None and r.startswith(WARMUP_PREFIX) for r in meta.request_ids]
         if any(warm):
             if bool((meta.phase == int(Phase.PREFILL)).any()):  # a run starts: fresh counters and controller
-                self.controller = None if self._switch is None else ModeController(self._switch)
-                self.route_counts = _RouteCounts()
+                self.row_ctx.planner = None if self._switch is None else ModeController(self._switch)
+                self.row_ctx.reset_stats()
                 self.runs += 1
             keep = torch.tensor([not w for w in warm], dtype=torch.bool, device=meta.token_idx.device)
             meta = RowMeta(meta.request_ids, meta.token_idx, meta.phase,
                            keep if meta.routed is None else meta.routed & keep, meta.request_keys)
             if not any(not w and r is not None for w, r in zip(warm, meta.request_ids)):
                 return meta
-        return meta if self.controller is None else self.controller(meta, self.route_counts)
+        return self.row_ctx.plan(meta)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
                 input_embeds: Optional[torch.Tensor] = None, pp_proxy_tensors=None) -> torch.Tensor:
@@ -305,42 +278,37 @@ class VSkipperLlamaModel(nn.Module):
                 h = layer(positions, h, forward_batch)
             return self.norm(h) if n_rows else h
         self._place(h)
-        meta = self._plan(rows_of_forward_batch(forward_batch, positions, n_rows))
-        routed = meta.routed_mask  # [T]
-        if not bool(routed.any()):  # every row dense this step: the unmodified layers, no router call
+        ctx = self.row_ctx
+        ctx.set_rows(self._plan(rows_of_forward_batch(forward_batch, positions, n_rows)))
+        meta = ctx.meta
+        if ctx.batch_dense:  # every row dense this step: the unmodified layers, no router call
             for layer in self.layers:
                 h = layer(positions, h, forward_batch)
             return self._end_step(h)
-        raw = skipper.route_tape(meta)
-        tape = all_run = None
-        if raw is not None:  # request-hash policy: every routed layer's masks once per step
-            raw = check_route_tape(raw, n_rows, len(self._column), who=type(skipper).__name__)
-            tape = raw | ~routed[:, None]  # [T, n_routed]
-            all_run = tape.all(dim=0).tolist()  # the step's one host sync
-        counting = self.controller is not None or bool(self._stats_path)
-        counted_layers, counted_runs = [], []
+        routed = meta.routed_mask  # [T]
+        # request-hash policy: every routed layer's masks and their counts in one host sync (Sec. 3.1)
+        tape = ctx.tape(skipper, meta)
         for i, layer in enumerate(self.layers):
             j = self._column.get(i)
             if j is None:
                 h = layer(positions, h, forward_batch)
                 continue
             if tape is not None:
-                run, every = tape[:, j], all_run[j]
-            else:
+                run, every = tape.run[:, j], tape.all_run[j]
+            else:  # hidden-state policy: decided at this layer
                 run = as_run_mask(skipper.route(i, h, meta), n_rows, layer_idx=i, who=type(skipper).__name__)
                 run = run | ~routed
                 every = bool(run.all())
-            if counting:
-                counted_layers.append(i)
-                counted_runs.append(run)
+                if ctx.record_stats:
+                    ctx.record(i, run, meta)
             if every and skipper.identity_run:
                 h = layer(positions, h, forward_batch)
             else:
                 h = layer(positions, h, forward_batch, run=run, skipper=skipper, meta=meta, kv_check=self.kv_check)
-        self._count(counted_layers, counted_runs, meta)
         return self._end_step(h)
 
     def _end_step(self, h: torch.Tensor) -> torch.Tensor:
+        self.row_ctx.clear()
         self.steps += 1
         if self._stats_path:
             self._write_stats()

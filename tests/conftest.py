@@ -18,10 +18,16 @@ if not DATA_DIR.is_dir():
 def pytest_collection_modifyitems(config, items):
     """Tests that read the session's smoke DAG run (``smoke_run``) share one pytest-xdist worker, so that
     the DAG runs once, and go first, so that its ~13 minutes overlap the rest of the suite on the other
-    worker (``scripts/test.sh`` runs ``-n 2 --dist loadgroup``). Without xdist only the order changes."""
+    worker (``scripts/test.sh`` runs ``-n 2 --dist loadgroup``); the slow real-SGLang-server tests join that
+    worker after them. Without xdist only the order changes."""
     smoke = [item for item in items if "smoke_run" in getattr(item, "fixturenames", ())]
     for item in smoke:
         item.add_marker(pytest.mark.xdist_group("smoke"))
+    # the tests that start real SGLang servers (several processes each) join the same worker, after the DAG:
+    # one heavy job at a time, so the other worker's timing-sensitive server tests are not starved
+    for item in items:
+        if item.path.name.startswith("test_sglang_") and item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("smoke"))
     first = {id(item) for item in smoke}
     items[:] = smoke + [item for item in items if id(item) not in first]
 

@@ -194,24 +194,28 @@ def test_objectives_share_init_and_data_order(tiny_model, setup):
     init = {k: v.clone() for k, v in drafter.state_dict().items()}
     target_before = [q.detach().clone() for q in tiny_model.parameters()]
     sums = {}
-    for obj in ("token", "exit", "prefix"):
+    for obj in ("token", "exit", "prefix", "opd"):
         d, s = train_exittrain(tiny_model, drafter, data, _cfg(), obj)
         sums[obj] = s
         assert d is not drafter and not d.training
         assert len(s["losses"]["total"]) == 3
-        assert len(s["losses"]["exit"]) == (0 if obj == "token" else 3)
+        assert len(s["losses"]["exit"]) == (3 if obj in ("exit", "prefix") else 0)
+        assert len(s["losses"]["opd"]) == (3 if obj == "opd" else 0)
         for key in ("teacher_forced", "tree_tau", "decode"):
             assert key in s["after"]
         assert set(s["after"]["tree_tau"]["B8"]) == {"T0", "T1"}
         assert 1.0 <= s["after"]["decode"]["B8"]["T0"]["mean_tau"] <= 5.0
-        assert set(s["seconds"]) == {"drafter", "trees", "train", "eval", "total"}
+        assert set(s["seconds"]) == {"drafter", "trees", "replay", "train", "eval", "total"}
     first = sums["token"]["first_batch"]
     assert first["anchors"] and all(len(r) == 8 for r in first["anchors"])
-    for obj in ("exit", "prefix"):
+    assert sums["opd"]["per_step"]["trees"] == 0 and sums["opd"]["seconds"]["replay"] > 0
+    assert len(sums["opd"]["train_chain_tau"]) == 3 and all(0 <= x <= 1 for x in sums["opd"]["replay_share"])
+    for obj in ("exit", "prefix", "opd"):
         assert sums[obj]["first_batch"] == first
         assert sums[obj]["data_order_sha1"] == sums["token"]["data_order_sha1"]
         assert sums[obj]["before"] == sums["token"]["before"]  # the same initial drafter
-        assert sums[obj]["per_step"]["trees"] == 16 and sums[obj]["per_step"]["tree_rows"] > 16
+        if obj != "opd":
+            assert sums[obj]["per_step"]["trees"] == 16 and sums[obj]["per_step"]["tree_rows"] > 16
     assert sums["token"]["per_step"]["trees"] == 0 and sums["token"]["seconds"]["trees"] == 0.0
     # same first-step token loss (same init, same batch); the init itself is untouched
     assert sums["exit"]["losses"]["token"][0] == pytest.approx(sums["token"]["losses"]["token"][0], rel=1e-6)
@@ -292,3 +296,36 @@ def test_tev_train_dex_head_trains_only_the_base_drafter(tmp_path, tiny_tokenize
     with pytest.raises(SystemExit, match="dex.speculative.dflash.drafter is not set"):
         main(["tev-train", "--dex-head", "--config-json", f"@{tmp_path / 'cfg.json'}", "--quiet", "--model-dir",
               str(tmp_path / "model"), "--out", str(tmp_path / "x"), "--summary", str(tmp_path / "x.json")])
+
+
+def test_tev_train_writes_every_objective_and_the_learning_curve(tmp_path, tiny_tokenizer, data_dir):
+    """``tev-train`` (rule tev_train): base + the four fine-tuned drafters (Draft-OPD included) under one
+    directory, and the base drafter's held-out learning curve at curve_steps (step 0 first, the last at
+    ``steps``), each point with the tree tau of the main cells' B at T = 0."""
+    import json
+
+    from conftest import save_wide_llama, smoke_config
+
+    from impl.cli import main
+    from impl.tev.drafter import curve_steps
+
+    save_wide_llama(tmp_path / "model", tiny_tokenizer)
+    cfg = smoke_config(data_dir=str(data_dir))
+    cfg["dex"]["speculative"]["dflash"] = None
+    cfg["tev"].update(budget=6, depth=3,
+                      drafter={**cfg["tev"]["drafter"], "block_size": 3, "prompts": 6, "prompt_max_tokens": 16,
+                               "rollout_new_tokens": 6, "steps": 6, "batch_size": 2, "threads": 1, "curve_points": 3},
+                      exittrain={**cfg["tev"]["exittrain"], "steps": 2, "batch_size": 2, "budget": 6})
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    out, summ = tmp_path / "drafters", tmp_path / "train.json"
+    main(["tev-train", "--config-json", f"@{tmp_path / 'cfg.json'}", "--quiet", "--model-dir", str(tmp_path / "model"),
+          "--out", str(out), "--summary", str(summ)])
+    s = json.loads(summ.read_text())
+    assert s["drafters"] == ["base", "exit", "opd", "prefix", "token"]
+    assert sorted(p.name for p in out.iterdir()) == s["drafters"]
+    curve = s["summaries"]["base"]["curve"]
+    assert curve_steps(6, 3) == [2, 4, 6] and [p["step"] for p in curve] == [0, 2, 4, 6]
+    assert all(p["tree_budget"] == 6 and 1.0 <= p["tree_tau"] <= 4.0 and p["n_contexts"] > 0 for p in curve)
+    assert curve[-1]["chain_tau"] == s["summaries"]["base"]["heldout_after"]["chain_tau"]
+    assert len(s["summaries"]["opd"]["losses"]["opd"]) == 2
+    assert curve_steps(2, 5) == [1, 2] and curve_steps(10, 0) == []

@@ -5,7 +5,7 @@ TEV = CFG.get("tev")
 if TEV:
     TEV_CELLS = expand(f"{RESULTS}/tev/{{model}}/{{suite}}.jsonl", model=TEV["models"], suite=TEV["workloads"])
     TEV_TABLE_NAMES = ["tev_arms", "tev_main", "tev_objective", "tev_crossed", "tev_budget", "tev_claims",
-                       "tev_calibration", "tev_latency", "tev_training"]
+                       "tev_calibration", "tev_latency", "tev_training", "tev_curve"]
 
     rule tev_train:
         conda:

@@ -14,7 +14,8 @@ and the batch-1 loop drafter -> builder -> one target tree forward -> verifier -
 ExitTrain (Sec. 5-6.2; ``train``): the drafter is fine-tuned with L_tok + lambda L_exit, where
 L_exit (Eq. 14, App. C.2 row form) reweights the draft likelihood of every node of the tree the
 current drafter builds by its detached exit mass w(v); token-only and prefix-weighted controls share
-the initialisation, the rollouts (``drafter.make_rollouts``) and the data order.
+the initialisation, the rollouts (``drafter.make_rollouts``) and the data order, as does Draft-OPD
+(``opd``: forward KL to the target on blocks replayed from where verification rejected the draft).
 
 Names are exported lazily (PEP 562): importing the package (e.g. for its light ``schema``
 module at workflow parse time) imports no submodule; ``from impl.<pkg> import X`` imports X's module.
@@ -43,11 +44,15 @@ _EXPORTS = {
     'sharegpt_prompt_texts': '.drafter',
     'target_features': '.drafter',
     'train_drafter': '.drafter',
+    'curve_steps': '.drafter',
     'check_target_probs': '.exit_law',
     'exit_law': '.exit_law',
     'expected_block_length': '.exit_law',
     'residual_distribution': '.exit_law',
     'target_coverage': '.exit_law',
+    'forward_kl_loss': '.opd',
+    'replay_anchors': '.opd',
+    'rollout_target_logits': '.opd',
     'OBJECTIVES': '.train',
     'ExitTrainConfig': '.train',
     'evaluate_decoding': '.train',
@@ -68,7 +73,7 @@ _EXPORTS = {
     'tev': '.verify',
 }
 
-__all__ = ['BlockDrafter', 'DraftTree', 'DrafterConfig', 'DrafterTrainConfig', 'ExitTrainConfig', 'OBJECTIVES', 'RolloutData', 'FixedDrafter', 'TEVResult', 'best_first_tree', 'chain_tree', 'commit_cache', 'drafter_dir_for', 'evaluate_decoding', 'evaluate_drafter', 'evaluate_trees', 'exit_loss', 'make_rollouts', 'prefix_weights', 'sharegpt_prompt_ids', 'sharegpt_prompt_texts', 'target_features', 'tev_decode', 'train_drafter', 'train_exittrain', 'tree_target_logits', 'VERIFIERS', 'ancestor_mask', 'check_target_probs', 'exit_law', 'expected_block_length', 'greedy_follow', 'path_to', 'predraw_follow', 'residual_distribution', 'sequential_residual', 'target_coverage', 'tev', 'tree_attention_mask', 'validate_tree']
+__all__ = ['BlockDrafter', 'DraftTree', 'DrafterConfig', 'DrafterTrainConfig', 'ExitTrainConfig', 'OBJECTIVES', 'RolloutData', 'FixedDrafter', 'TEVResult', 'best_first_tree', 'chain_tree', 'commit_cache', 'curve_steps', 'drafter_dir_for', 'evaluate_decoding', 'evaluate_drafter', 'evaluate_trees', 'exit_loss', 'forward_kl_loss', 'make_rollouts', 'prefix_weights', 'replay_anchors', 'rollout_target_logits', 'sharegpt_prompt_ids', 'sharegpt_prompt_texts', 'target_features', 'tev_decode', 'train_drafter', 'train_exittrain', 'tree_target_logits', 'VERIFIERS', 'ancestor_mask', 'check_target_probs', 'exit_law', 'expected_block_length', 'greedy_follow', 'path_to', 'predraw_follow', 'residual_distribution', 'sequential_residual', 'target_coverage', 'tev', 'tree_attention_mask', 'validate_tree']
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

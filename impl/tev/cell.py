@@ -7,8 +7,10 @@ Arms (TEV Sec. 6, App. D), each at every configured temperature T:
   DFlash-style drafter, standing for the paper's released checkpoint);
 - ``ddtree``: DDTree, best-first tree with budget B and the predraw-follow verifier, base drafter;
 - ``exittrain+tev``: the exit-guided drafter with Tree Exit Verification (main table);
-- objective ablation (Table 2): ``token+tev``, ``prefix+tev`` and ``exittrain+tev``, all fine-tuned
-  from the base drafter with matched initialisation, data and steps;
+- ``draft-opd``: Draft-OPD, DDTree with only the drafter replaced by the position-wise distilled one
+  (Sec. 6 "Methods"; main table);
+- objective ablation (Table 2): ``token+tev``, ``prefix+tev``, ``opd+tev`` and ``exittrain+tev``, all
+  fine-tuned from the base drafter with matched initialisation, data and steps;
 - crossed drafter x verifier grid (Table 4): {base, exit} drafter x {predraw, tev} verifier;
 - budget robustness (Table 5): ``ddtree`` and ``exittrain+tev`` at each extra budget.
 
@@ -55,20 +57,22 @@ class TEVArm:
     tables: tuple[str, ...] = field(default_factory=tuple)
 
 
-def tev_arms(budget: int, extra_budgets=(), drafters=("base", "token", "prefix", "exit")) -> list[TEVArm]:
+def tev_arms(budget: int, extra_budgets=(), drafters=("base", "token", "prefix", "exit", "opd")) -> list[TEVArm]:
     """The arms of a cell (module docstring). Drafter keys: ``base`` (the token-trained DFlash-style
-    drafter, the "released" checkpoint of the paper), ``token`` / ``prefix`` / ``exit`` (fine-tuned
-    from ``base`` with matched compute by :func:`impl.tev.train.train_exittrain`). Arms needing a
-    drafter not in ``drafters`` are left out."""
+    drafter, the "released" checkpoint of the paper), ``token`` / ``prefix`` / ``exit`` / ``opd``
+    (fine-tuned from ``base`` with matched compute by :func:`impl.tev.train.train_exittrain`). Arms
+    needing a drafter not in ``drafters`` are left out."""
     have = set(drafters)
     arms = [TEVArm("ar", tables=("main",))]
     if "base" in have:
         arms += [TEVArm("chain", "base", "predraw_follow", "chain", budget, ("main",)),
                  TEVArm("ddtree", "base", "predraw_follow", "best_first", budget, ("main", "crossed", "budget")),
                  TEVArm("base+tev", "base", "tev", "best_first", budget, ("crossed",))]
-    for key in ("token", "prefix"):
+    for key in ("token", "prefix", "opd"):
         if key in have:
             arms.append(TEVArm(f"{key}+tev", key, "tev", "best_first", budget, ("objective",)))
+    if "opd" in have:
+        arms.append(TEVArm("draft-opd", "opd", "predraw_follow", "best_first", budget, ("main",)))
     if "exit" in have:
         arms += [TEVArm("exittrain+tev", "exit", "tev", "best_first", budget, ("main", "objective", "crossed", "budget")),
                  TEVArm("exit+predraw", "exit", "predraw_follow", "best_first", budget, ("crossed",))]

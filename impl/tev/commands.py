@@ -1,9 +1,11 @@
 """``python -m impl`` commands of the TEV/ExitTrain experiments (registered by :mod:`impl.cli`).
 
-- ``tev-train``: target rollouts on ShareGPT prompts (once), the base DFlash-style drafter (dense
-  decayed token loss), then each ExitTrain objective (token-only, prefix-weighted, exit-guided)
-  fine-tuned from the base with matched initialisation, data and steps; drafters saved under one
-  directory (``base/``, ``token/``, ``prefix/``, ``exit/``) with a JSON summary.
+- ``tev-train``: target rollouts on ShareGPT prompts (once, through the target's chat template when it
+  has one), the base DFlash-style drafter (dense decayed token loss; its held-out learning curve when
+  ``tev.drafter.curve_points`` is set), then each ExitTrain objective (token-only, prefix-weighted,
+  exit-guided) and Draft-OPD fine-tuned from the base with matched initialisation, data and steps;
+  drafters saved under one directory (``base/``, ``token/``, ``prefix/``, ``exit/``, ``opd/``) with a
+  JSON summary.
 - ``tev-cell``: every decoding arm on one (model, workload) (:mod:`impl.tev.cell`).
 - ``tev-latency``: verifier-stage latency of predraw, sequential residual and TEV on the same
   realised trees (Table 3).
@@ -21,7 +23,7 @@ from .schema import tev_section
 
 log = logging.getLogger("impl")
 
-DRAFTER_KEYS = ("base", "token", "prefix", "exit")
+DRAFTER_KEYS = ("base", "token", "prefix", "exit", "opd")
 
 
 def cmd_tev_train(args) -> None:
@@ -31,7 +33,7 @@ def cmd_tev_train(args) -> None:
     from ..models.load import load_tokenizer
     from ..provenance import atomic_path, provenance, write_json
     from .drafter import DrafterTrainConfig, make_rollouts, sharegpt_prompt_ids, train_drafter
-    from .train import ExitTrainConfig, train_exittrain
+    from .train import ExitTrainConfig, evaluate_trees, train_exittrain
 
     cfg = config_from_args(args)
     if args.dex_head:  # DEX Fig. 5's trained-head arm for a model TEV does not train: the base drafter only
@@ -41,10 +43,11 @@ def cmd_tev_train(args) -> None:
         d = dex.speculative.dflash.drafter if dex.speculative.dflash is not None else None
         if d is None:
             raise SystemExit("config: dex.speculative.dflash.drafter is not set (the trained head's drafter settings)")
-        stop_at_eos, objectives = dex.stop_at_eos, []
+        stop_at_eos, objectives, curve_tree = dex.stop_at_eos, [], None
     else:
         t = tev_section(cfg)
         d, stop_at_eos, objectives = t.drafter, t.stop_at_eos, t.exittrain.objectives
+        curve_tree = (t.budget, t.depth)  # the learning curve's tree: the main cells' B, greedy (T = 0)
     torch.set_num_threads(d.threads)
     target = load_for(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
@@ -59,8 +62,17 @@ def cmd_tev_train(args) -> None:
         layers = BlockDrafter(target, tcfg.drafter).feature_layers
     data = make_rollouts(target, prompts, layers, new_tokens=d.rollout_new_tokens,
                          temperature=d.rollout_temperature, eos_token_id=eos, seed=core.seed)
+
+    def curve(drafter) -> dict:  # held-out tree tau of the main cells' tree (B, depth) at T = 0
+        if curve_tree is None:
+            return {}
+        b, depth = curve_tree
+        r = evaluate_trees(target, drafter, data, data.heldout_idx, budgets=(b,), depth=min(depth, drafter.block_size),
+                           temperatures=(0.0,))
+        return {"tree_tau": r[f"B{b}"]["T0"], "tree_budget": b, "n_contexts": r["n_contexts"]}
+
     with torch.enable_grad():
-        base, base_summary = train_drafter(target, None, tcfg, data=data)
+        base, base_summary = train_drafter(target, None, tcfg, data=data, curve=curve)
     summaries = {"base": base_summary}
     drafters = {"base": base}
     for obj in objectives:
@@ -134,7 +146,8 @@ def cmd_tev_latency(args) -> None:
                             temperature=lat.temperature, n_trees=lat.trees, repeats=lat.repeats,
                             seed=core_config(cfg).seed, verifiers=verifiers, isolated=("predraw_ddtree_multinomial",))
     prov = run_provenance(cfg)
-    write_jsonl(args.out, [{**r, "model": args.model, **prov} for r in rows])
+    vocab = int(target.get_output_embeddings().weight.shape[0])  # V of the p_v rows every verifier reads
+    write_jsonl(args.out, [{**r, "model": args.model, "vocab_size": vocab, **prov} for r in rows])
 
 
 def cmd_tev_tables(args) -> None:
@@ -151,9 +164,9 @@ def cmd_tev_tables(args) -> None:
 
 def register(add) -> None:
     """Add the TEV commands to the ``python -m impl`` parser (``add(name, fn, help)``)."""
-    sp = add("tev-train", cmd_tev_train, "TEV: rollouts, base drafter, ExitTrain objectives (token/prefix/exit)")
+    sp = add("tev-train", cmd_tev_train, "TEV: rollouts, base drafter, ExitTrain objectives (token/prefix/exit) and Draft-OPD")
     sp.add_argument("--model-dir", required=True)
-    sp.add_argument("--out", required=True, help="directory for the drafters (base/, token/, prefix/, exit/)")
+    sp.add_argument("--out", required=True, help="directory for the drafters (base/, token/, prefix/, exit/, opd/)")
     sp.add_argument("--summary", required=True, help="training summary JSON")
     sp.add_argument("--dex-head", action="store_true",
                     help="train only the base drafter, with dex.speculative.dflash.drafter's settings (DEX Fig. 5's "

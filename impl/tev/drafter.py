@@ -48,7 +48,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -522,8 +522,11 @@ def target_features(target, input_ids: Sequence[int] | torch.Tensor, feature_lay
 
 def sharegpt_prompt_texts(data_dir: str | Path, n: int | None = None, *, skip: int = 0,
                           max_chars: int | None = 2000) -> list[dict]:
-    """User turns of the ShareGPT subset formatted ``"User: {turn}\\nAssistant:"`` (the
-    ``User:/Assistant:`` format of :mod:`impl.models.corpus` and the MT-Bench template).
+    """User turns of the ShareGPT subset: ``text`` formatted ``"User: {turn}\\nAssistant:"`` (the
+    ``User:/Assistant:`` format of :mod:`impl.models.corpus` and the MT-Bench template) for models
+    without a chat template, and ``chat`` = the bare turn, which a model with a chat template (smollm2)
+    gets through that template (:func:`impl.workloads.tokenize.tokenize_suite`, as the workloads' chat
+    rows; TEV App. D rolls the target out on its own chat format).
 
     Args:
         data_dir: the data folder holding ``chat/sharegpt_v3_subset.jsonl``.
@@ -532,7 +535,7 @@ def sharegpt_prompt_texts(data_dir: str | Path, n: int | None = None, *, skip: i
         max_chars: skip conversations whose first user turn is longer (None: keep all).
 
     Returns:
-        ``[{"id", "text"}]``: the first human turn of each conversation that has one, in file order.
+        ``[{"id", "text", "chat"}]``: the first human turn of each conversation that has one, in file order.
 
     Raises:
         FileNotFoundError: the file is missing (names the path).
@@ -552,7 +555,7 @@ def sharegpt_prompt_texts(data_dir: str | Path, n: int | None = None, *, skip: i
             seen += 1
             if seen <= skip:
                 continue
-            out.append({"id": r.get("id", str(seen)), "text": f"User: {turn}\nAssistant:"})
+            out.append({"id": r.get("id", str(seen)), "text": f"User: {turn}\nAssistant:", "chat": turn})
             if n is not None and len(out) >= n:
                 break
     return out
@@ -562,9 +565,9 @@ def sharegpt_prompt_ids(tokenizer, data_dir: str | Path, n: int | None = None, *
                         max_prompt_tokens: int = 256) -> list[list[int]]:
     """Token ids of :func:`sharegpt_prompt_texts`, tokenized like the workloads
     (:func:`impl.workloads.tokenize.tokenize_suite`: BOS if any, overlong prompts truncated from the
-    left to ``max_prompt_tokens``)."""
+    left to ``max_prompt_tokens``; through the tokenizer's chat template when it has one)."""
 
-    rows = [{"id": r["id"], "text": r["text"]} for r in sharegpt_prompt_texts(data_dir, n, skip=skip)]
+    rows = sharegpt_prompt_texts(data_dir, n, skip=skip)
     out, _ = tokenize_suite(rows, tokenizer, max_prompt_tokens)
     return [r["input_ids"] for r in out]
 
@@ -594,6 +597,8 @@ class DrafterTrainConfig:
         seed: seeds anchors, batches, initialisation and sampled rollouts.
         log_every: log a line every this many steps.
         progress: show a tqdm bar.
+        curve_points: learning curve: held-out metrics after this many evenly spaced steps (the last
+            one at ``steps``; 0: none). See :func:`train_drafter`'s ``curve``.
     """
 
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -613,6 +618,7 @@ class DrafterTrainConfig:
     seed: int = 0
     log_every: int = 25
     progress: bool = False
+    curve_points: int = _D["curve_points"]
 
     @classmethod
     def from_section(cls, drafter: "Drafter", **overrides) -> "DrafterTrainConfig":
@@ -621,7 +627,7 @@ class DrafterTrainConfig:
         ``overrides`` (``seed``, ``progress``, ...) win over both."""
         arch = DrafterConfig(block_size=drafter.block_size, n_layers=drafter.n_layers)
         named = {k: getattr(drafter, k) for k in ("rollout_new_tokens", "rollout_temperature", "steps", "batch_size",
-                                                  "lr", "gamma")}
+                                                  "lr", "gamma", "curve_points")}
         return cls(drafter=arch, **{**named, **overrides})
 
 
@@ -828,9 +834,18 @@ def drafter_optimizer(drafter, cfg) -> tuple[torch.optim.Optimizer, torch.optim.
     return opt, warmup_decay_scheduler(opt, warmup=cfg.warmup_steps, steps=cfg.steps, decay="cosine", floor=0.1)
 
 
+def curve_steps(steps: int, points: int) -> list[int]:
+    """The optimiser steps after which the learning curve is measured: ``points`` evenly spaced steps
+    in ``[1, steps]``, the last one ``steps`` (fewer when ``points > steps``; none when 0)."""
+    if points <= 0:
+        return []
+    return sorted({max(1, round(steps * i / points)) for i in range(1, points + 1)})
+
+
 def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
                   cfg: DrafterTrainConfig = DrafterTrainConfig(), drafter: BlockDrafter | None = None,
-                  data: RolloutData | None = None) -> tuple[BlockDrafter, dict]:
+                  data: RolloutData | None = None,
+                  curve: Callable[[BlockDrafter], dict] | None = None) -> tuple[BlockDrafter, dict]:
     """Train a block drafter on the frozen target's own rollouts with the dense position-decayed
     token loss (TEV Eq. 15 with lambda_exit = 0; DFlash loss; App. D online rollouts).
 
@@ -850,12 +865,17 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
             feature layers); then ``prompts_token_ids`` may be None and the ``rollout_*``,
             ``eos_token_id`` and ``heldout_fraction`` settings are not used. Without it the rollouts
             are made here with ``cfg`` (as before; the same generator then draws the batches).
+        curve: extra held-out metrics of the learning curve, called with the drafter (in eval mode,
+            no gradient) after each of :func:`curve_steps` ``(cfg.steps, cfg.curve_points)`` and before
+            training (e.g. the teacher-forced tree tau of :func:`impl.tev.train.evaluate_trees`).
 
     Returns:
         ``(drafter, summary)`` with the drafter in eval mode and summary ``{"losses": per-step
         training loss, "seconds": {"rollouts", "features", "train", "eval", "total"},
         "heldout_before", "heldout_after": evaluate_drafter dicts, "n_train", "n_heldout",
-        "rollout_tokens", "config"}`` (seconds are wall-clock).
+        "rollout_tokens", "config", "curve"}`` (seconds are wall-clock; ``curve``: one
+        ``{"step", "loss", "chain_tau", **curve(drafter)}`` per measured step, step 0 first, when
+        ``cfg.curve_points > 0``; its time is counted in ``eval``).
 
     Raises:
         ValueError: fewer than 2 prompts, bad prompt ids, or non-positive steps/batch sizes; ``data``
@@ -889,8 +909,18 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
     log.info("drafter: %d rollouts (%d tokens) in %.1fs, features in %.1fs; %d train / %d held out",
              len(seqs), sum(len(s) - p for s, p in seqs), t_roll, t_feat, len(train_idx), n_held)
 
+    def measure(step: int, metrics: dict) -> dict:
+        extra = {}
+        if curve is not None:
+            drafter.eval()
+            with torch.no_grad():
+                extra = curve(drafter)
+        return {"step": step, "loss": metrics["loss"], "chain_tau": metrics["chain_tau"], **extra}
+
     t0 = time.perf_counter()
     before = evaluate_drafter(drafter, [seqs[i] for i in held], [feats[i] for i in held], cfg.gamma)
+    at = set(curve_steps(cfg.steps, cfg.curve_points))
+    points = [measure(0, before)] if at else []
     t_eval = time.perf_counter() - t0
 
     H = drafter.block_size
@@ -919,10 +949,20 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
         losses.append(float(loss.detach()))
         if cfg.log_every and (step + 1) % cfg.log_every == 0:
             log.info("drafter step %d/%d loss %.4f", step + 1, cfg.steps, sum(losses[-cfg.log_every:]) / cfg.log_every)
+        if step + 1 in at and step + 1 < cfg.steps:  # the last point is the final evaluation below
+            te = time.perf_counter()
+            points.append(measure(step + 1, evaluate_drafter(drafter, [seqs[i] for i in held], [feats[i] for i in held],
+                                                             cfg.gamma)))
+            log.info("drafter curve: %s", points[-1])
+            drafter.train()
+            t_eval += time.perf_counter() - te
+            t0 += time.perf_counter() - te  # curve time is evaluation, not training
     t_train = time.perf_counter() - t0
     drafter.eval()
     t0 = time.perf_counter()
     after = evaluate_drafter(drafter, [seqs[i] for i in held], [feats[i] for i in held], cfg.gamma)
+    if at:
+        points.append(measure(cfg.steps, after))
     t_eval += time.perf_counter() - t0
     target.train(was_training)
     summary = {
@@ -934,6 +974,7 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
         "n_train": len(train_idx),
         "n_heldout": n_held,
         "rollout_tokens": data.rollout_tokens,
+        "curve": points,
         "config": {**asdict(cfg), "drafter": {**asdict(drafter.config),
                                               "feature_layers": list(drafter.config.feature_layers)}},
     }

@@ -21,7 +21,7 @@ PosInt = Annotated[int, Field(ge=1)]
 PosNum = Annotated[float, Field(gt=0)]
 NonNegNum = Annotated[float, Field(ge=0)]
 Suite = Literal["gsm8k", "humaneval", "xsum", "mt_bench", "math500", "bbh", "coqa"]
-Objective = Literal["token", "prefix", "exit"]
+Objective = Literal["token", "prefix", "exit", "opd"]
 
 
 class Drafter(Section):
@@ -39,11 +39,15 @@ class Drafter(Section):
     lr: PosNum = Field(2e-3, description="peak AdamW learning rate")
     gamma: PosNum = Field(4.0, description="DFlash position decay: depth d weighted exp(-(d-1)/gamma)")
     threads: PosInt = Field(1, description="torch threads of the training job")
+    curve_points: Annotated[int, Field(ge=0)] = Field(
+        0, description="learning curve: held-out tau (teacher-forced chain, and the B = tev.budget tree at T = 0) "
+                       "measured at this many evenly spaced steps of the base training; 0: none")
 
 
 class ExitTrain(Section):
     """``tev.exittrain``: the fine-tuning objectives of TEV Sec. 5 (token-only, prefix-weighted,
-    exit-guided), matched in steps and data order."""
+    exit-guided) and Draft-OPD (the paper's on-policy distillation control), matched in steps and data
+    order."""
 
     steps: PosInt = Field(100, description="optimiser steps per objective")
     batch_size: PosInt = Field(4, description="rollouts per step (App. D: 4)")
@@ -51,9 +55,10 @@ class ExitTrain(Section):
     budget: PosInt = Field(64, description="B: non-root nodes of each training tree (App. D: 64)")
     # lambda_exit ~ B: Eq. 14 divides by the node count, so L_exit is ~ weighted CE / B
     lambda_exit: NonNegNum = Field(64.0, description="lambda_exit of Eq. 15 (the paper gives no value)")
-    target_temperature: NonNegNum = Field(1.0, description="temperature of the target rows behind w(v)")
+    lambda_opd: NonNegNum = Field(1.0, description="weight of Draft-OPD's forward KL beside L_tok (per-row means)")
+    target_temperature: NonNegNum = Field(1.0, description="temperature of the target rows behind w(v) and Draft-OPD's KL")
     lr: PosNum = Field(3e-4, description="peak AdamW learning rate")
-    objectives: list[Objective] = Field(["token", "prefix", "exit"], min_length=1,
+    objectives: list[Objective] = Field(["token", "prefix", "exit", "opd"], min_length=1,
                                         json_schema_extra={"uniqueItems": True})
 
 

@@ -44,6 +44,10 @@ Objectives (Sec. 6.2, "matched initialization, data, and compute"):
   It builds no trees and runs no target forward, so its wall time is lower: the match is in
   optimiser steps, batches and data (the paper's "compute budget" is not specified further), not in
   FLOPs.
+* ``"opd"``: Draft-OPD, the paper's position-wise on-policy distillation control (Sec. 6 "Methods"):
+  L_tok + lambda_opd * forward KL to the target on blocks replayed from where greedy verification of
+  the step's own drafts rejected them (:mod:`impl.tev.opd`); no trees, one no-grad target forward
+  over the step's rollouts and a second drafter pass.
 
 Per-step compute (measured and returned in ``summary["per_step"]``): every objective runs one drafter
 forward + backward over ``batch_size * anchors_per_seq`` blocks of H rows (V-wide LM head). ``"exit"``
@@ -90,6 +94,7 @@ from .drafter import (
     position_weights,
 )
 from .exit_law import exit_law
+from .opd import forward_kl_loss, replay_anchors, rollout_target_logits
 from .schema import DEFAULTS as TEV_DEFAULTS
 from .schema import TevSection
 from .tree import DraftTree
@@ -100,7 +105,9 @@ log = logging.getLogger("impl.tev.train")
 _E = TEV_DEFAULTS["exittrain"]
 
 #: training objectives of :func:`train_exittrain`
-OBJECTIVES = ("exit", "token", "prefix")
+OBJECTIVES = ("exit", "token", "prefix", "opd")
+#: objectives that realise trees and evaluate them with the target (Eq. 14's L_exit or its prefix control)
+TREE_OBJECTIVES = ("exit", "prefix")
 PREFIX_SCOPES = ("tree", "batch")
 
 
@@ -119,8 +126,10 @@ class ExitTrainConfig:
         lambda_exit: lambda_exit of Eq. 15 (the paper does not state its value). Note the scale of
             Eq. 14: the weights of one tree sum to 1 - w(r) <= 1 while the denominator counts B
             nodes per tree, so L_exit is about (weighted CE) / B.
-        target_temperature: temperature of the target rows p_v behind w(v) (0: one-hot argmax rows,
-            the greedy exit law; the paper does not state it). On tiny-ls, w at T = 1 raised the T = 1
+        lambda_opd: weight of Draft-OPD's forward KL (``"opd"``), a per-row mean on L_tok's scale.
+        target_temperature: temperature of the target rows p_v behind w(v), and of Draft-OPD's
+            target distributions (0: one-hot argmax rows, the greedy exit law; the paper does not
+            state it). On tiny-ls, w at T = 1 raised the T = 1
             tree coverage and lowered the greedy one relative to token-only fine-tuning.
         prefix_scope: ``"tree"`` (rescale P per realised tree) or ``"batch"`` (per minibatch).
         lr, weight_decay, betas, grad_clip: AdamW and gradient-norm clipping (App. D: lr 1e-4 for
@@ -148,6 +157,7 @@ class ExitTrainConfig:
     budget: int = _E["budget"]
     depth: int | None = None
     lambda_exit: float = _E["lambda_exit"]
+    lambda_opd: float = _E["lambda_opd"]
     target_temperature: float = _E["target_temperature"]
     prefix_scope: str = "tree"
     lr: float = _E["lr"]
@@ -176,7 +186,7 @@ class ExitTrainConfig:
         ``overrides`` win over both."""
         e = tev.exittrain
         named = {k: getattr(e, k) for k in ("steps", "batch_size", "tree_contexts_per_seq", "budget", "lambda_exit",
-                                            "target_temperature", "lr")}
+                                            "lambda_opd", "target_temperature", "lr")}
         return cls(**{**named, "gamma": tev.drafter.gamma, **overrides})
 
 
@@ -609,7 +619,8 @@ def train_exittrain(target, drafter_init: BlockDrafter, rollouts: RolloutData, c
                     objective: str = "exit") -> tuple[BlockDrafter, dict]:
     """Fine-tune a copy of ``drafter_init`` with ExitTrain (``"exit"``: L_tok + lambda L_exit with
     w(v), TEV Eqs. 14-15) or a matched control (``"token"``: L_tok only; ``"prefix"``: rescaled P(v)
-    instead of w(v), Sec. 6.2); module docstring for one step and its compute.
+    instead of w(v), Sec. 6.2; ``"opd"``: Draft-OPD, :mod:`impl.tev.opd`); module docstring for one
+    step and its compute.
 
     Every objective uses the same initial weights (a copy; ``drafter_init`` is not modified), the same
     rollouts, the same generator-driven sequence of (rollout, anchor) draws, the same optimiser,
@@ -621,16 +632,20 @@ def train_exittrain(target, drafter_init: BlockDrafter, rollouts: RolloutData, c
         rollouts: :class:`impl.tev.drafter.RolloutData` for the drafter's feature layers (e.g. from
             :func:`impl.tev.drafter.make_rollouts`, shared across objectives).
         cfg: :class:`ExitTrainConfig`.
-        objective: ``"exit"``, ``"token"`` or ``"prefix"``.
+        objective: ``"exit"``, ``"token"``, ``"prefix"`` or ``"opd"``.
 
     Returns:
         ``(drafter, summary)``; the drafter is in eval mode. ``summary``: ``"objective"``;
-        ``"losses"``: per step ``{"total", "token", "exit"}`` lists (``exit`` empty for ``"token"``);
+        ``"losses"``: per step ``{"total", "token", "exit", "opd"}`` lists (``exit`` filled for
+        ``"exit"`` / ``"prefix"``, ``opd`` for ``"opd"``);
         ``"train_tree_tau"``: per step mean 1 + C_p of the realised training trees (``"exit"`` /
-        ``"prefix"``); ``"first_batch"``: ``{"rollouts", "anchors"}`` of step 1;
+        ``"prefix"``); ``"train_chain_tau"`` and ``"replay_share"`` (``"opd"``): per step mean
+        1 + accepted greedy draft tokens of the step's blocks and the share of blocks replayed;
+        ``"first_batch"``: ``{"rollouts", "anchors"}`` of step 1;
         ``"data_order_sha1"``: hash of every step's draws; ``"seconds"``: wall-clock
-        ``{"drafter", "trees", "train", "eval", "total"}`` (drafter = forward, loss, backward and
-        optimiser; trees = build + target forward + exit law); ``"per_step"``: mean seconds and mean
+        ``{"drafter", "trees", "replay", "train", "eval", "total"}`` (drafter = forward(s), loss,
+        backward and optimiser; trees = build + target forward + exit law; replay = Draft-OPD's
+        verification and target forward); ``"per_step"``: mean seconds and mean
         tree rows / packed target tokens per step; ``"before"`` (if ``cfg.eval_before``) and
         ``"after"``: held-out evaluation dicts (``"teacher_forced"``: :func:`evaluate_drafter`;
         ``"tree_tau"``: :func:`evaluate_trees`; ``"decode"``: :func:`evaluate_decoding`);
@@ -649,7 +664,7 @@ def train_exittrain(target, drafter_init: BlockDrafter, rollouts: RolloutData, c
         raise ValueError(f"unknown prefix_scope {cfg.prefix_scope!r}; choose from {', '.join(PREFIX_SCOPES)}")
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.anchors_per_seq < 1 or cfg.budget < 0:
         raise ValueError("steps, batch_size and anchors_per_seq must be >= 1 and budget >= 0")
-    if objective != "token" and not 1 <= cfg.tree_contexts_per_seq <= cfg.anchors_per_seq:
+    if objective in TREE_OBJECTIVES and not 1 <= cfg.tree_contexts_per_seq <= cfg.anchors_per_seq:
         raise ValueError(f"tree_contexts_per_seq must be in [1, anchors_per_seq={cfg.anchors_per_seq}], "
                          f"got {cfg.tree_contexts_per_seq}")
     if tuple(rollouts.feature_layers) != tuple(drafter_init.feature_layers):
@@ -677,11 +692,13 @@ def train_exittrain(target, drafter_init: BlockDrafter, rollouts: RolloutData, c
     gen = torch.Generator().manual_seed(cfg.seed)
     weights = position_weights(H, cfg.gamma, dev)
     opt, sched = drafter_optimizer(drafter, cfg)
-    losses = {"total": [], "token": [], "exit": []}
+    losses = {"total": [], "token": [], "exit": [], "opd": []}
     train_tau: list[float] = []
+    chain_tau: list[float] = []
+    replay_share: list[float] = []
     order = hashlib.sha1()
     first_batch = None
-    t_drafter = t_trees = 0.0
+    t_drafter = t_trees = t_replay = 0.0
     n_tree_rows = n_packed = 0
     m = min(cfg.tree_contexts_per_seq, cfg.anchors_per_seq)
     drafter.train()
@@ -702,10 +719,26 @@ def train_exittrain(target, drafter_init: BlockDrafter, rollouts: RolloutData, c
 
         t0 = time.perf_counter()
         logits = drafter(fts, ids, anchors, lengths)  # [B, A, H, V]
-        l_tok = block_loss(logits, _block_labels(ids, anchors, lengths, H), weights)
+        labels = _block_labels(ids, anchors, lengths, H)  # [B, A, H]
+        l_tok = block_loss(logits, labels, weights)
         loss = l_tok
         t_drafter += time.perf_counter() - t0
-        if objective != "token":
+        if objective == "opd":
+            t0 = time.perf_counter()
+            replay, replayed, accepted = replay_anchors(logits.detach(), labels, anchors, lengths)  # [B, A] each
+            r_valid = (_block_labels(ids, replay, lengths, H) != -100) & replayed.unsqueeze(-1)  # [B, A, H]
+            r_pos = replay.unsqueeze(-1) + torch.arange(H, device=dev)  # [B, A, H]
+            tgt = rollout_target_logits(target, ids, r_pos)  # [B, A, H, V]
+            chain_tau.append(1.0 + float(accepted.float().mean()))
+            replay_share.append(float(replayed.float().mean()))
+            t_replay += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            r_logits = drafter(fts, ids, replay, lengths)  # [B, A, H, V], second pass with gradient
+            l_opd = forward_kl_loss(r_logits, tgt, r_valid, weights, cfg.target_temperature)
+            loss = l_tok + cfg.lambda_opd * l_opd
+            losses["opd"].append(float(l_opd.detach()))
+            t_drafter += time.perf_counter() - t0
+        if objective in TREE_OBJECTIVES:
             t0 = time.perf_counter()
             ctx_logits = logits[:, :m]  # [B, m, H, V] rows of the tree contexts, with gradient
             with torch.no_grad():
@@ -745,6 +778,8 @@ def train_exittrain(target, drafter_init: BlockDrafter, rollouts: RolloutData, c
             msg = f"exittrain[{objective}] step {step + 1}/{cfg.steps} loss {sum(losses['total'][-k:]) / k:.4f}"
             if train_tau:
                 msg += f" train tree tau {sum(train_tau[-k:]) / len(train_tau[-k:]):.3f}"
+            if chain_tau:
+                msg += f" train chain tau {sum(chain_tau[-k:]) / len(chain_tau[-k:]):.3f}"
             log.info(msg)
     t_train = time.perf_counter() - t_train0
     drafter.eval()
@@ -757,13 +792,16 @@ def train_exittrain(target, drafter_init: BlockDrafter, rollouts: RolloutData, c
         "objective": objective,
         "losses": losses,
         "train_tree_tau": train_tau,
+        "train_chain_tau": chain_tau,
+        "replay_share": replay_share,
         "first_batch": first_batch,
         "data_order_sha1": order.hexdigest(),
-        "seconds": {"drafter": t_drafter, "trees": t_trees, "train": t_train, "eval": t_eval,
+        "seconds": {"drafter": t_drafter, "trees": t_trees, "replay": t_replay, "train": t_train, "eval": t_eval,
                     "total": time.perf_counter() - t_all},
         "per_step": {"seconds": t_train / steps, "drafter_seconds": t_drafter / steps, "tree_seconds": t_trees / steps,
+                     "replay_seconds": t_replay / steps,
                      "blocks": min(cfg.batch_size, len(train_idx)) * cfg.anchors_per_seq,
-                     "trees": 0 if objective == "token" else min(cfg.batch_size, len(train_idx)) * m,
+                     "trees": min(cfg.batch_size, len(train_idx)) * m if objective in TREE_OBJECTIVES else 0,
                      "tree_rows": n_tree_rows / steps, "target_tokens": n_packed / steps},
         "before": before,
         "after": after,

@@ -1,0 +1,77 @@
+"""The TEV report's real-model lines (impl.tev.report): training wall times per objective, the base
+drafter's learning curve and its projection to the tau target, the tau-target verdict per model, and
+the verifier-latency verdicts per model with its vocabulary size."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from impl.tev.report import curve_table, report_section, steps_to_reach, tev_tables, training_table
+
+
+def _summary(model_dir="models/smollm2", curve=((0, 1.0), (100, 1.2), (200, 1.3), (400, 1.4), (800, 1.5))):
+    base = {"losses": [1.0] * 800, "seconds": {"train": 400.0, "total": 450.0},
+            "heldout_after": {"loss": 3.0, "chain_tau": 1.3},
+            "curve": [{"step": s, "loss": 3.0, "chain_tau": 1.0 + t / 10, "tree_tau": t, "tree_budget": 64,
+                       "n_contexts": 64} for s, t in curve]}
+    exit_ = {"losses": {"total": [1.0] * 100, "token": [1.0] * 100, "exit": [0.1] * 100, "opd": []},
+             "seconds": {"train": 200.0, "total": 260.0}, "after": {"teacher_forced": {"loss": 2.9, "chain_tau": 1.31}}}
+    return {"model_dir": model_dir, "rollout_seconds": {"rollouts": 420.0, "features": 6.0},
+            "summaries": {"base": base, "exit": exit_}}
+
+
+def test_training_table_has_wall_time_per_objective():
+    t = training_table([_summary()]).set_index("drafter")
+    assert t.at["base", "model"] == "smollm2" and t.at["base", "steps"] == 800
+    assert t.at["base", "per_step_s"] == pytest.approx(0.5) and t.at["base", "rollout_seconds"] == 420.0
+    assert t.at["exit", "steps"] == 100 and t.at["exit", "train_seconds"] == 200.0
+    assert math.isnan(t.at["exit", "rollout_seconds"]) and t.at["exit", "heldout_chain_tau"] == 1.31
+
+
+def test_steps_to_reach_extrapolates_in_log_steps():
+    c = curve_table([_summary()])
+    assert list(c["step"]) == [0, 100, 200, 400, 800] and set(c["model"]) == {"smollm2"}
+    pr = steps_to_reach(c, 2.0)
+    # the second half (200, 400, 800) gains 0.1 per doubling: tau = 1.3 + 0.1 log2(step / 200)
+    assert pr["slope_per_e"] == pytest.approx(0.1 / math.log(2), rel=1e-6)
+    assert pr["steps"] == pytest.approx(200 * 2 ** 7, rel=1e-3) and pr["last_step"] == 800
+    assert steps_to_reach(c, 1.35)["steps"] == 400  # already measured: the first step that reached it
+    flat = curve_table([_summary(curve=((0, 1.0), (100, 1.3), (200, 1.3), (400, 1.29), (800, 1.28)))])
+    assert steps_to_reach(flat, 2.0)["steps"] is None
+    assert steps_to_reach(curve_table([_summary(curve=((0, 1.0),))]), 2.0)["steps"] is None
+
+
+def _arm_rows(model, taus):
+    rows = []
+    for suite, tau in taus.items():
+        for arm, t in (("ar", 1.0), ("exittrain+tev", tau)):
+            rows.append({"model": model, "suite": suite, "arm": arm, "temperature": 0.0, "budget": 0 if arm == "ar" else 64,
+                         "tables": ["main"], "prompt_id": "p0", "n_new_tokens": 8, "rounds": 4,
+                         "taus": [t] * 4, "seconds": 1.0, "ar_match": True,
+                         **({"coverages": [t - 1] * 4} if arm != "ar" else {})})
+    return rows
+
+
+def test_report_tau_target_and_latency_per_model(tmp_path):
+    rows = _arm_rows("smollm2", {"gsm8k": 2.1, "math500": 1.6, "humaneval": 1.9}) + \
+        _arm_rows("tiny-ls", {"gsm8k": 2.2, "math500": 2.5})
+    lat = [{"model": m, "vocab_size": v, "budget": 64, "verifier": ver, "median_us": us, "baseline": "predraw_follow",
+            "ratio_median": us / base}
+           for m, v, base in (("smollm2", 49152, 100.0), ("tiny-ls", 4096, 10.0))
+           for ver, us in (("predraw_follow", base), ("tev", 0.7 * base))]
+    tables = tev_tables(rows, lat, [_summary(), _summary("models/tiny-ls")])
+    out = tmp_path / "tables"
+    out.mkdir()
+    for name, df in tables.items():
+        df.to_csv(out / f"{name}.csv", index=False)
+    text = "\n".join(report_section(out, tmp_path, tmp_path))
+    assert "tau target on smollm2" in text and "gsm8k 2.10" in text
+    smol = next(line for line in text.splitlines() if line.startswith("- tau target on smollm2"))
+    assert "**FAIL**" in smol and "reaches 2 at ~25,600 steps" in smol  # one workload of three reached 2.0
+    tiny = next(line for line in text.splitlines() if line.startswith("- tau target on tiny-ls"))
+    assert "**PASS**" in tiny and "learning curve" not in tiny
+    assert "verifier latency on smollm2 (V = 49,152)" in text and "verifier latency on tiny-ls (V = 4,096)" in text
+    assert text.count("median per-tree ratio 0.70") == 2
+    assert "Base drafter learning curve" in text
+    assert isinstance(tables["tev_curve"], pd.DataFrame) and len(tables["tev_curve"]) == 10

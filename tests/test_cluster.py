@@ -26,7 +26,7 @@ GPU_RULES = ("measure_ead", "ar_bench", "train_model", "train_adapters", "train_
              "tev_latency", "vskipper_train_flexidepth", "vskipper_profile", "vskipper_knee", "vskipper_cell",
              "vskipper_ablation", "vskipper_randomskip", "vskipper_http", "vskipper_model_train_flexidepth",
              "vskipper_model_profile", "vskipper_model_knee", "vskipper_model_cell", "vskipper_sglang_knee",
-             "vskipper_sglang_cell", "vskipper_sglang_ablation")
+             "vskipper_sglang_cell", "vskipper_sglang_ablation", "vskipper_sglang_quality")
 MULTI_GPU_RULES = ("dex_distributed", "dex_pearl_ranks", "dex_tensor_parallel")  # gres gpu:K from the rule
 # `rule NAME:` and `use rule PARENT as NAME with:` (the vSkipper Table 6 / 7 rules)
 ALL_RULES = tuple(re.findall(r"^\s*(?:use )?rule (?:\w+ as )?(\w+)(?: with)?:", "\n".join(
@@ -99,8 +99,8 @@ def test_profile_settings():
 #: rules a config must turn on (vskipper.http.bench_serving.python, a Python with SGLang)
 OPT_IN_RULES = ("vskipper_bench_serving", "vskipper_knee_bench_serving")
 #: the SGLang section's rules (vskipper.sglang_section, configs/sglang.yaml)
-SGLANG_RULES = ("vskipper_sglang_knee", "vskipper_sglang_cell", "vskipper_sglang_ablation", "vskipper_sglang_tables",
-                "vskipper_engine_tables")
+SGLANG_RULES = ("vskipper_sglang_knee", "vskipper_sglang_cell", "vskipper_sglang_ablation", "vskipper_sglang_quality",
+                "vskipper_sglang_tables", "vskipper_engine_tables")
 
 
 @pytest.mark.parametrize("extra", [["--configfile", "configs/smoke.yaml"], [],

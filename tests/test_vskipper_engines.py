@@ -34,7 +34,7 @@ def test_the_section_is_off_by_default_and_fills_in_from_the_main_run(tmp_path):
     assert sglang_section_settings(_cfg(tmp_path, None)["vskipper"]) is None
     cfg = _cfg(tmp_path, {})
     assert sglang_section_settings(cfg["vskipper"]) == {"workloads": ["gsm8k"], "points": ["knee"], "ablation": True,
-                                                        "repetitions": None}
+                                                        "repetitions": None, "quality": True}
     off = _cfg(tmp_path, {"ablation": True})
     off["vskipper"]["ablations"] = []
     assert sglang_section_settings(off["vskipper"])["ablation"] is False  # nothing to ablate
@@ -58,7 +58,12 @@ def test_the_jobs_config_puts_both_arm_families_on_sglang(tmp_path):
     out = engine_config(cfg)
     v = out["vskipper"]
     assert v["engines"] == {"upstream": "sglang", "routed": "sglang"} and v["repetitions"] == 3
-    assert not any(k in v for k in ("sglang_section", "cross_model", "devices", "quality"))
+    assert not any(k in v for k in ("sglang_section", "cross_model", "devices"))
+    # the quality 2x2 runs again with C and D on SGLang; the served-at-knee pass stays on the main engine
+    assert v["quality"]["tasks"] == cfg["vskipper"]["quality"]["tasks"] and v["quality"]["served"] is None
+    assert cfg["vskipper"]["quality"]["served"] is not None
+    off = engine_config(_cfg(tmp_path, {"quality": False}))["vskipper"]
+    assert "quality" not in off and sglang_section_settings(_cfg(tmp_path, {"quality": False})["vskipper"])["quality"] is False
     assert v["model"] == cfg["vskipper"]["model"] and v["load_points"] == cfg["vskipper"]["load_points"]
     assert cfg["vskipper"]["engines"] == {"upstream": "transformers", "routed": "transformers"}  # main untouched
     with pytest.raises(ValueError, match="sglang_section"):

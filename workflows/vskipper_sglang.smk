@@ -2,13 +2,15 @@
 # SGLang's own server, vSkipper as an out-of-tree SGLang model (impl/vskipper/sglang_model), beside the main
 # run, for the report section "vSkipper on upstream SGLang" (issue "Upstream SGLang as a real engine arm").
 #   knee on SGLang's upstream arm (per SGLang workload) -> cells at the section's load points -> mechanism
-#   ablation at the knee -> the ordinary vSkipper tables in {VSK_TABLES}/sglang -> both engines side by side.
+#   ablation at the knee -> (sglang_section.quality) the quality 2x2 with C and D on SGLang -> the ordinary
+#   vSkipper tables in {VSK_TABLES}/sglang -> both engines side by side.
 # The jobs re-run the main rules' commands (use rule ... with:) on their own effective config
 # (impl.vskipper.schema.engine_config: vskipper.engines = sglang for both families), written beside
 # EFFECTIVE_CONFIG when execution starts. The FlexiDepth checkpoint and the mode-switch thresholds are the
 # main run's. Needs the SGLang environment (scripts/setup_sglang.sh; the config check names the key).
 from impl.vskipper.engine_report import ENGINE_TABLE_NAMES
 from impl.vskipper.schema import engine_config, sglang_section_settings
+from impl.vskipper.serving_report import QUALITY_TABLE_NAMES as VSK_QUALITY_TABLE_NAMES
 from impl.vskipper.serving_report import TABLE_NAMES as VSK_TABLE_NAMES
 
 VSKS = sglang_section_settings(VSK) if VSK else None
@@ -66,6 +68,24 @@ if VSKS:
             log:
                 f"{LOGS}/vskipper/sglang/ablation_{{suite}}.log",
 
+    # the quality 2x2 with C and D on SGLang (quality-cell serves them on vskipper.engines.routed's engine)
+    VSKS_QUALITY = (expand(f"{VSKS_DIR}/quality/{{qsuite}}.jsonl", qsuite=VSK_Q["tasks"])
+                    if VSKS["quality"] and VSK_Q else [])
+
+    if VSKS_QUALITY:
+
+        use rule vskipper_quality as vskipper_sglang_quality with:
+            output:
+                rows=f"{VSKS_DIR}/quality/{{qsuite}}.jsonl",
+                summary=f"{VSKS_DIR}/quality/{{qsuite}}.json",
+                requests=f"{VSKS_DIR}/quality/{{qsuite}}_requests.jsonl",
+                work=directory(f"{VSKS_DIR}/quality/{{qsuite}}_run"),
+            params:
+                cfg=VSKS_CFG_PATH,
+                sig=vsks_sig("engine", "quality"),
+            log:
+                f"{LOGS}/vskipper/sglang/quality_{{qsuite}}.log",
+
     rule vskipper_sglang_tables:
         conda:
             "../env.yaml"
@@ -75,16 +95,19 @@ if VSKS:
             flexidepth=rules.vskipper_train_flexidepth.output.summary,
             cells=VSKS_CELLS,
             ablation=VSKS_ABLATION,
+            quality=VSKS_QUALITY,
         output:
-            expand(f"{VSKS_TABLES}/{{name}}.{{ext}}", name=VSK_TABLE_NAMES, ext=["csv", "md"]),
+            expand(f"{VSKS_TABLES}/{{name}}.{{ext}}", name=list(VSK_TABLE_NAMES)
+                   + (list(VSK_QUALITY_TABLE_NAMES) if VSKS_QUALITY else []), ext=["csv", "md"]),
         params:
             out=lambda w, output: os.path.dirname(output[0]),
+            quality=lambda w, input: ("--quality " + " ".join(input.quality)) if VSKS_QUALITY else "",
         log:
             f"{LOGS}/vskipper/sglang/tables.log",
         shell:
             "python -m impl vskipper-tables --knee {input.knee} --thresholds {input.thresholds} "
             "--flexidepth {input.flexidepth} --cells {input.cells} --ablation {input.ablation} "
-            "--out-dir {params.out} 2> {log}"
+            "{params.quality} --out-dir {params.out} 2> {log}"
 
     rule vskipper_engine_tables:
         conda:

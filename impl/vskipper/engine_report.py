@@ -106,10 +106,12 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
     """Markdown lines of REPORT.md's "vSkipper on upstream SGLang" section from ``tables_dir`` (the SGLang
     run's vSkipper tables plus :data:`ENGINE_TABLE_NAMES`): the gate check per engine, the engines and
     attention backends, the knees, Table 2 on both engines side by side, and SGLang's Table 4, Table 3
-    (ablation) and routed-row shares."""
+    (ablation), routed-row shares and (with ``sglang_section.quality``) its quality 2x2 and first-token
+    agreement."""
     td, base = Path(tables_dir), Path(base)
     rel = lambda p: os.path.relpath(p, base).replace(os.sep, "/")  # noqa: E731
-    t = {n: _read(td, n) for n in ENGINE_TABLE_NAMES + ("vskipper_table4", "vskipper_ablation", "vskipper_modes")}
+    t = {n: _read(td, n) for n in ENGINE_TABLE_NAMES + ("vskipper_table4", "vskipper_ablation", "vskipper_modes",
+                                                        "vskipper_table5", "vskipper_first_token")}
     lines = ["## vSkipper on upstream SGLang (both engines side by side)", "",
              "The vSkipper protocol again with both arm families on upstream SGLang's own server: **upstream** is "
              "SGLang serving the base model, **vskipper** (and the ablation arms) SGLang serving vSkipper as an "
@@ -145,5 +147,14 @@ def report_section(tables_dir: str | Path, figures_dir: str | Path, base: str | 
     if len(t["vskipper_modes"]):
         lines += ["### Routed-row shares on SGLang (the mode controller inside the server)", "",
                   _md(t["vskipper_modes"]), ""]
+    if len(t["vskipper_table5"]):
+        lines += ["### Quality 2x2 with the served arms on SGLang (Table 5 left shape)", "",
+                  "A (lm-eval's HF backend) and B (the checkpoint in plain PyTorch) as in the main run; C = upstream "
+                  "SGLang on the base model, D = vSkipper inside SGLang always-route, both driven by lm-eval's "
+                  "`local-completions` client with the same token ids (the prompt-hash gate compares the ids SGLang "
+                  "received). DiD = (D - C) - (B - A) per document, paired.", "", _md(t["vskipper_table5"]), ""]
+    if len(t["vskipper_first_token"]):
+        lines += ["First-token agreement on SGLang (App. E.1; served top-k log-probabilities from `/generate`):", "",
+                  _md(t["vskipper_first_token"]), ""]
     lines += ["Tables: " + ", ".join(f"[{p.stem}]({rel(p)})" for p in sorted(td.glob("vskipper_*.csv"))), ""]
     return lines

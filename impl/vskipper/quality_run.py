@@ -21,8 +21,11 @@ Arms C and D are served over HTTP by default (``served="http"``): for each, a
 :class:`~impl.vskipper.quality_arms.ServedEndpoint` (the vSkipper server, ``upstream`` for C, ``always-route``
 with the skipper for D) is started in this process on 127.0.0.1, port 0, lm-eval's
 ``local-completions`` client (:class:`~impl.vskipper.quality_arms.RecordingCompletionsLM`) evaluates the tasks
-against it, and the server is shut down after the arm. ``served="inprocess"`` runs them as
-:class:`~impl.vskipper.quality_arms.EngineLM` on the same engine without HTTP.
+against it, and the server is shut down after the arm. ``served="sglang"`` serves them by upstream
+SGLang instead (C: SGLang on the base model; D: vSkipper's routed Llama inside SGLang, always-route with
+the checkpoint's skipper; :mod:`impl.vskipper.quality_sglang`), evaluated by the same client speaking
+SGLang's dialect. ``served="inprocess"`` runs them as :class:`~impl.vskipper.quality_arms.EngineLM` on
+the same engine without HTTP.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from .quality_arms import (
 __all__ = ["QualityResult", "run_quality", "resolve_skipper", "offline", "request_rows", "SERVED_MODES"]
 
 #: how arms C and D are served (``run_quality(served=...)``)
-SERVED_MODES = ("http", "inprocess")
+SERVED_MODES = ("http", "inprocess", "sglang")
 
 
 @dataclass
@@ -223,20 +226,26 @@ class _ArmSetup:
     max_logprobs: int
     request_timeout_s: float
     http_concurrency: int
+    sglang_launch: Any = None
+    sglang_policy: tuple[str, dict] | None = None
 
 
 @contextlib.contextmanager
 def _arm_lm(arm: str, s: _ArmSetup):
-    """The lm-eval model of ``arm`` and its server (None unless served over HTTP), freed on exit.
+    """The lm-eval model of ``arm`` and its server's stats (a callable; None unless served), freed on exit.
 
     A: transformers (HFLM) on the base model; B: the checkpoint's skipper in process (plain routed
     forward); C / D: the continuous-batching engine, dense on the base model / routed with the skipper,
     over HTTP (``served="http"``: lm-eval's ``local-completions`` client against an in-process server)
-    or in process.
+    or in process; or upstream SGLang / vSkipper inside SGLang (``served="sglang"``).
     """
 
     common = dict(max_length=s.max_length, add_bos_token=s.add_bos_token)
     model = endpoint = lm = None
+    if arm in ("C", "D") and s.served == "sglang":
+        with _sglang_arm_lm(arm, s) as pair:
+            yield pair
+        return
     try:
         if arm == "A":
             lm = RecordingHFLM(arm="A", pretrained=str(s.model_dir), tokenizer=str(s.model_dir), device=s.device,
@@ -264,11 +273,42 @@ def _arm_lm(arm: str, s: _ArmSetup):
             else:
                 lm = EngineLM(model, s.tokenizer, mode="routed", skipper=s.skipper, cb_config=s.cb_config, arm="D",
                               **common)
-        yield lm, endpoint
+        yield lm, (None if endpoint is None else endpoint.stats)
     finally:
         if endpoint is not None:
             endpoint.close()
         del lm, model, endpoint  # the caller drops its own references and collects
+
+
+@contextlib.contextmanager
+def _sglang_arm_lm(arm: str, s: _ArmSetup):
+    """Arm C or D served by upstream SGLang (:mod:`impl.vskipper.quality_sglang`) and its client."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from .quality_sglang import SGLangCompletionsLM, sglang_quality_arm
+
+    policy, kwargs = s.sglang_policy if arm == "D" and s.sglang_policy else (None, None)
+    mc = AutoConfig.from_pretrained(s.model_dir, local_files_only=True)
+    try:
+        gen = GenerationConfig.from_pretrained(s.model_dir, local_files_only=True)
+    except OSError:  # no generation_config.json: the model config's EOS
+        gen = None
+    eos = eos_ids_of(SimpleNamespace(generation_config=gen, config=mc))
+    cfg_m = mc.get_text_config() if hasattr(mc, "get_text_config") else mc
+    with sglang_quality_arm(arm, s.sglang_launch, policy=policy, policy_kwargs=kwargs,
+                            request_timeout_s=s.request_timeout_s) as server:
+        lm = SGLangCompletionsLM(arm, generate_url=f"{server.server.url}/generate",
+                                 base_url=f"{server.server.url}/v1/completions", model=server.served_model_name,
+                                 tokenizer=s.model_dir, max_length=s.max_length, eos_ids=eos,
+                                 add_bos_token=s.add_bos_token, num_concurrent=s.http_concurrency,
+                                 timeout_s=s.request_timeout_s, vocab_size=int(cfg_m.vocab_size),
+                                 max_logprobs=s.max_logprobs)
+        try:
+            yield lm, server.describe
+        finally:
+            del lm
 
 
 def _doc_rows(result: QualityResult, arms: Sequence[str], prov: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -358,6 +398,8 @@ def run_quality(
     http_concurrency: int | None = None,
     max_logprobs: int = 20,
     request_timeout_s: float = 3600.0,
+    sglang_launch=None,
+    sglang_policy: tuple[str, Mapping[str, Any]] | None = None,
 ) -> QualityResult:
     """Run the quality 2x2 (A base / B checkpoint in process; C base / D checkpoint served) on ``tasks``.
 
@@ -389,10 +431,16 @@ def run_quality(
         arms: the arms to run; the DiD needs all four.
         served: ``"http"`` (default): C and D are served by the vSkipper HTTP server in this process and
             evaluated by lm-eval's ``local-completions`` client; ``"inprocess"``: the same engine
-            without HTTP (:class:`~impl.vskipper.quality_arms.EngineLM`).
+            without HTTP (:class:`~impl.vskipper.quality_arms.EngineLM`); ``"sglang"``: upstream SGLang
+            serves C (base model) and D (vSkipper's routed Llama, always-route), the same client.
         http_concurrency: HTTP requests in flight (default: ``cb_config.max_requests_per_batch``, else 8).
         max_logprobs: top-k log-probabilities the served arms return for first-token agreement.
         request_timeout_s: per-request timeout of the served arms, seconds.
+        sglang_launch: ``served="sglang"``: the :class:`~impl.serving.sglang_server.SGLangLaunch` of the
+            base model (device, dtype, KV-cache size, interpreter); D serves a routed copy of it.
+        sglang_policy: ``served="sglang"`` with D: ``(policy, kwargs)`` of the skipper D's server builds
+            (:func:`impl.vskipper.skipper.build_skipper`; FlexiDepth ``("flexidepth", {"checkpoint": DIR})``),
+            the same skipper as ``skipper`` (arm B).
 
     Returns:
         a :class:`QualityResult` (also written under ``out``).
@@ -410,6 +458,11 @@ def run_quality(
         raise ValueError(f"unknown arm(s) {unknown}; choices: {list(ARMS)}")
     if served not in SERVED_MODES:
         raise ValueError(f"served must be one of {SERVED_MODES}, got {served!r}")
+    if served == "sglang" and any(a in arms for a in ("C", "D")):
+        if sglang_launch is None:
+            raise ValueError("served='sglang' needs sglang_launch (the base model's SGLangLaunch)")
+        if "D" in arms and not sglang_policy:
+            raise ValueError("served='sglang' with arm D needs sglang_policy = (policy, kwargs) of the skipper")
     opts = options or TaskOptions()
     model_dir = Path(model_dir)
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else model_dir
@@ -442,13 +495,14 @@ def run_quality(
     setup = _ArmSetup(model_dir=model_dir, ckpt_dir=ckpt_dir, tokenizer=tokenizer, skipper=skip, served=served,
                       device=device, dtype=dtype, cb_config=cb_config, max_length=max_length,
                       add_bos_token=add_bos_token, max_logprobs=max_logprobs, request_timeout_s=request_timeout_s,
-                      http_concurrency=http_concurrency)
+                      http_concurrency=http_concurrency, sglang_launch=sglang_launch,
+                      sglang_policy=None if sglang_policy is None else (str(sglang_policy[0]), dict(sglang_policy[1])))
 
     with offline():
         tm = TaskManager(include_path=str(ts.include_path), include_defaults=False)
         for arm in arms:
             t0 = time.perf_counter()
-            with _arm_lm(arm, setup) as (lm, endpoint):
+            with _arm_lm(arm, setup) as (lm, server_stats):
                 res = _evaluate(lm, ts, tm, limit, seed, opts.fewshot_seed)
                 result.wall_s[arm] = time.perf_counter() - t0
                 scores = per_doc_scores(res.get("samples", {}), arm)
@@ -470,11 +524,11 @@ def run_quality(
                 agg = {"results": res.get("results"), "configs": res.get("configs"), "n-samples": res.get("n-samples"),
                        "arm": arm, "arm_desc": ARMS[arm], "wall_s": result.wall_s[arm],
                        "served": served if arm in SERVER_ARM else "inprocess"}
-                if endpoint is not None:
-                    result.served_stats[arm] = endpoint.stats()
+                if server_stats is not None:
+                    result.served_stats[arm] = server_stats()
                     agg.update(server_arm=SERVER_ARM[arm], server_stats=result.served_stats[arm])
                 write_json(out / f"lm_eval_{arm}.json", _jsonable(agg))
-            del lm, endpoint  # the arm's model goes before the next arm loads its own
+            del lm, server_stats  # the arm's model goes before the next arm loads its own
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

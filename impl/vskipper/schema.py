@@ -362,6 +362,9 @@ class SglangSection(Section):
                                              "needs vskipper.ablations)")
     repetitions: PosInt | None = Field(None, description="paired repetitions per SGLang cell (null: "
                                                          "vskipper.repetitions)")
+    quality: bool = Field(True, description="the quality 2x2 (Table 5 left) again with arms C and D served by SGLang "
+                                            "(upstream SGLang / vSkipper inside SGLang always-route), every suite of "
+                                            "vskipper.quality.tasks; nothing when vskipper.quality is absent")
 
 
 class VskipperSection(Section):
@@ -613,20 +616,23 @@ def _check_sglang_section(cfg: dict[str, Any], v: dict[str, Any]) -> None:
 
 def sglang_section_settings(v: dict[str, Any]) -> dict[str, Any] | None:
     """The resolved ``vskipper.sglang_section`` (None when off): ``workloads`` and ``points`` filled in from the
-    main run's, ``ablation`` true only when ``vskipper.ablations`` is non-empty."""
+    main run's, ``ablation`` true only when ``vskipper.ablations`` is non-empty, ``quality`` only when
+    ``vskipper.quality`` is set."""
     sec = v.get("sglang_section")
     if sec is None:
         return None
     return {"workloads": list(sec.get("workloads") or v["workloads"]),
             "points": list(sec.get("points") or v["load_points"]),
             "ablation": bool(sec.get("ablation", True) and v["ablations"]),
-            "repetitions": sec.get("repetitions")}
+            "repetitions": sec.get("repetitions"),
+            "quality": bool(sec.get("quality", True) and v.get("quality"))}
 
 
 def engine_config(cfg: dict[str, Any], engine: str = "sglang") -> dict[str, Any]:
     """The effective config of the SGLang section's jobs: the main config with both arm families on
     ``engine`` (``vskipper.engines``), ``vskipper.repetitions`` from the section (when set), and the
-    extra targets, quality and the section itself removed (a plain single-engine serving run).
+    extra targets, the served-at-knee pass, the section itself and (unless the section's ``quality``)
+    the quality 2x2 removed (a plain single-engine serving run).
 
     Raises:
         ValueError: for an engine other than ``sglang`` or a config without the section.
@@ -644,8 +650,10 @@ def engine_config(cfg: dict[str, Any], engine: str = "sglang") -> dict[str, Any]
     v["engines"] = {"upstream": engine, "routed": engine}
     if sec["repetitions"]:
         v["repetitions"] = sec["repetitions"]
-    for key in ("sglang_section", "cross_model", "devices", "quality", "bench"):
+    for key in ("sglang_section", "cross_model", "devices", "bench") + (() if sec["quality"] else ("quality",)):
         v.pop(key, None)
+    if v.get("quality"):
+        v["quality"]["served"] = None  # the served-at-knee pass stays on the main run's engine
     return validate_config(out, check_paths=False)
 
 

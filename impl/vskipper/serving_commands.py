@@ -28,8 +28,9 @@ Pipeline (one rule per command in ``workflows/vskipper.smk``):
 6. ``quality-cell``: the quality 2x2 of one suite (Sec. 4.3, Table 5 left; :func:`impl.vskipper.quality_run.run_quality`):
    A = base model (lm-eval HF backend), B = the FlexiDepth checkpoint in plain PyTorch, C = base model
    served by the upstream arm, D = the checkpoint served always-route (C and D: the vSkipper HTTP
-   server started in the command's process on 127.0.0.1, port 0, with lm-eval's ``local-completions``
-   client sending token ids), on the same documents and token ids -> JSONL rows (documents,
+   server started in the command's process on 127.0.0.1, port 0, or, with ``vskipper.engines.routed:
+   sglang``, upstream SGLang and vSkipper inside SGLang; lm-eval's ``local-completions`` client sending
+   token ids), on the same documents and token ids -> JSONL rows (documents,
    summaries with the DiD, first-token agreement), a summary JSON and the documents' requests
    (prompt ids, stop strings, budgets) for step 7. Arms that fed different prompt token ids (the gate)
    become one ``kind: "rejected"`` row instead of failing the DAG.
@@ -703,7 +704,13 @@ def cmd_quality_cell(args) -> None:
     n_docs = None if q.limit is None else q.limit * n_tasks
     conc = quality_concurrency(q, v.engine, n_docs)
     cb = quality_cb_config(v.engine, max_length, n_docs)
-    base = {"experiment": "quality", "model": v.model, "policy": "flexidepth", "checkpoint": str(args.flexidepth)}
+    # arms C and D on the engine that serves the routed family (both on it: the DiD compares like with like)
+    engine = v.engines.routed
+    sg = dict(served="sglang", sglang_launch=sglang_launch(cfg, args.model_dir),
+              sglang_policy=("flexidepth", {"checkpoint": str(Path(args.flexidepth).resolve())})) \
+        if engine == "sglang" else dict(served="http")
+    base = {"experiment": "quality", "model": v.model, "policy": "flexidepth", "checkpoint": str(args.flexidepth),
+            "engine": engine}
     run_cfg = {**cfg, "quality_suite": suite}
     work = Path(args.work_dir)
     if work.exists():
@@ -714,8 +721,7 @@ def cmd_quality_cell(args) -> None:
             res = run_quality(args.model_dir, skipper, core.data_dir, (suite,), q.limit, work,
                               options=quality_options(q, cache), device=core.device, dtype=core.dtype,
                               max_length=max_length, cb_config=cb, first_token_docs=q.first_token_docs,
-                              tol=q.tol, seed=core.seed, config=run_cfg, served="http",
-                              http_concurrency=conc)
+                              tol=q.tol, seed=core.seed, config=run_cfg, http_concurrency=conc, **sg)
         except PromptMismatchError as e:
             log.error("quality %s rejected by the prompt-hash gate: %s", suite, e)
             prov = _prov(run_cfg)

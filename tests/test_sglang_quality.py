@@ -6,7 +6,8 @@ Always: the client's payload and response recording against hand-built SGLang an
 server. With ``.venv-sglang`` (CI installs it): the four arms end to end - C (upstream SGLang) equals A
 (lm-eval's HF backend) and D (vSkipper inside SGLang, always-route) equals B (the checkpoint in plain
 PyTorch) token for token, with the prompt ids SGLang received, identical prompt hashes in every arm, and
-first-token log-probabilities within the 0.01-nat tolerance.
+first-token log-probabilities within the 0.01-nat tolerance; the OpenAI Python SDK drives arm D's server
+(plain and streamed) and gets the routed transformers engine's ids.
 """
 
 from __future__ import annotations
@@ -113,3 +114,44 @@ def test_the_quality_2x2_on_sglang_reproduces_the_in_process_arms(wide_dir, data
     for suite in ("gsm8k", "coqa"):
         row = res.summary_for(suite)
         assert row["n"] == 2 and row["tokens_equal_BD"] == 2 and row["tokens_equal_AC"] == 2
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_the_openai_sdk_drives_vskipper_inside_sglang(wide_dir):
+    """The OpenAI Python SDK (a real client) against quality arm D's server (vSkipper inside SGLang,
+    always-route, RandomSkip): token-id prompts with SGLang's ``rid`` and ``return_token_ids`` through
+    ``extra_body``, plain and streamed; the ids equal the project's routed transformers engine under the
+    same request ids."""
+    import openai
+
+    from impl.models.load import load_model
+    from impl.serving.sglang_server import SGLangLaunch
+    from impl.vskipper.engine import bind_skipper, generate_greedy, unbind_skipper
+    from impl.vskipper.quality_sglang import sglang_quality_arm
+    from impl.vskipper.random_skip import RandomSkip
+
+    kwargs = {"routed_layers": LAYERS, "r": 0.5, "d": 1.0, "seed": 3}
+    prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 21, 60, 3], [11, 4, 90, 12, 8, 30, 2]]
+    rids = [f"sdk/{i}" for i in range(len(prompts))]
+    model = load_model(wide_dir)
+    bind_skipper(model, RandomSkip(**kwargs))
+    try:
+        ref = generate_greedy(model, prompts, max_new_tokens=8, mode="routed", request_ids=rids)
+    finally:
+        unbind_skipper(model)
+    launch = SGLangLaunch(model_dir=wide_dir, python=SGLANG_PY, threads=1, max_total_tokens=4096)
+    with sglang_quality_arm("D", launch, policy="random", policy_kwargs=kwargs) as server:
+        client = openai.OpenAI(base_url=f"{server.server.url}/v1", api_key="none")
+        for p, rid, want in zip(prompts, rids, ref):
+            out = client.completions.create(model=server.served_model_name, prompt=p, max_tokens=8, temperature=0,
+                                            extra_body={"rid": rid, "return_token_ids": True, "ignore_eos": True})
+            assert out.id == rid and out.choices[0].model_extra["token_ids"] == want
+            assert out.choices[0].model_extra["prompt_token_ids"] == p
+            pieces = client.completions.create(model=server.served_model_name, prompt=p, max_tokens=8, temperature=0,
+                                               stream=True, extra_body={"rid": rid, "ignore_eos": True})
+            assert "".join(c.choices[0].text for c in pieces if c.choices) == out.choices[0].text
+        stats = server.describe()
+    run, po = stats["route_counts"]["decode"]
+    assert po > 0  # the server routed decode rows
+

@@ -95,6 +95,27 @@ def save_wide_llama(out_dir, tokenizer, max_position_embeddings: int = 128, voca
     return model
 
 
+def token_trained_drafter(model, rollout_temperature: float):
+    """A block drafter (H = 4, one layer) trained 40 steps with the token loss on ``model``'s rollouts of
+    10 seeded random prompts (24 new tokens at ``rollout_temperature``, 20% held out): the shared starting
+    point of the ExitTrain and Draft-OPD tests. Returns ``(drafter, RolloutData)``."""
+    from impl.tev.drafter import BlockDrafter, DrafterConfig, DrafterTrainConfig, make_rollouts, train_drafter
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 97, (int(torch.randint(3, 8, (), generator=g)),), generator=g).tolist()
+               for _ in range(10)]
+    dcfg = DrafterConfig(block_size=4, n_layers=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        drafter = BlockDrafter(model, dcfg)
+    data = make_rollouts(model, prompts, drafter.feature_layers, new_tokens=24, temperature=rollout_temperature,
+                         heldout_fraction=0.2)
+    drafter, _ = train_drafter(model, None, DrafterTrainConfig(drafter=dcfg, steps=40, batch_size=4, anchors_per_seq=8,
+                                                               lr=3e-3, warmup_steps=5, log_every=0),
+                               drafter=drafter, data=data)
+    return drafter, data
+
+
 def smoke_snakemake(out: Path, data_dir: Path, *extra: str, **kw):
     """``snakemake --cores 2`` on configs/smoke.yaml with every output under ``out`` (a Popen)."""
     import subprocess

@@ -8,16 +8,7 @@ import math
 import pytest
 import torch
 
-from impl.tev.drafter import (
-    BlockDrafter,
-    DrafterConfig,
-    DrafterTrainConfig,
-    _block_labels,
-    _pad_batch,
-    make_rollouts,
-    position_weights,
-    train_drafter,
-)
+from impl.tev.drafter import _block_labels, _pad_batch, position_weights
 from impl.tev.opd import forward_kl_loss, replay_anchors, rollout_target_logits
 from impl.tev.train import ExitTrainConfig, train_exittrain
 
@@ -104,19 +95,9 @@ def test_rollout_target_logits_equal_unpadded_forwards(tiny_model):
 
 @pytest.fixture(scope="module")
 def trained(tiny_model):
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, 97, (int(torch.randint(3, 8, (), generator=g)),), generator=g).tolist()
-               for _ in range(10)]
-    dcfg = DrafterConfig(block_size=4, n_layers=1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        drafter = BlockDrafter(tiny_model, dcfg)
-    data = make_rollouts(tiny_model, prompts, drafter.feature_layers, new_tokens=24, temperature=0.0,
-                         heldout_fraction=0.2)
-    drafter, _ = train_drafter(tiny_model, None, DrafterTrainConfig(drafter=dcfg, steps=40, batch_size=4,
-                                                                    anchors_per_seq=8, lr=3e-3, warmup_steps=5,
-                                                                    log_every=0), drafter=drafter, data=data)
-    return drafter, data
+    from conftest import token_trained_drafter
+
+    return token_trained_drafter(tiny_model, 0.0)  # greedy rollouts: verification against them is the target's
 
 
 def _replayed_kl(target, drafter, data, T: float) -> float:

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from impl.tev.drafter import (
-    BlockDrafter,
     DrafterConfig,
     DrafterTrainConfig,
     _pad_batch,
@@ -136,19 +135,9 @@ def test_tree_rows_are_the_target_under_real_tree_parent_contexts(tiny_model):
 
 @pytest.fixture(scope="module")
 def setup(tiny_model):
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, 97, (int(torch.randint(3, 8, (), generator=g)),), generator=g).tolist()
-               for _ in range(10)]
-    dcfg = DrafterConfig(block_size=4, n_layers=1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        drafter = BlockDrafter(tiny_model, dcfg)
-    data = make_rollouts(tiny_model, prompts, drafter.feature_layers, new_tokens=24, temperature=1.0,
-                         heldout_fraction=0.2)
-    drafter, _ = train_drafter(tiny_model, None, DrafterTrainConfig(drafter=dcfg, steps=40, batch_size=4,
-                                                                    anchors_per_seq=8, lr=3e-3, warmup_steps=5,
-                                                                    log_every=0), drafter=drafter, data=data)
-    return drafter, data
+    from conftest import token_trained_drafter
+
+    return token_trained_drafter(tiny_model, 1.0)
 
 
 def _cfg(**kw):

@@ -10,8 +10,12 @@ from impl.tev.report import tev_tables
 def test_arms_cover_the_tables():
     names = [a.name for a in tev_arms(64, (32, 64, 128))]
     assert names[0] == "ar"
-    assert {"chain", "ddtree", "exittrain+tev", "token+tev", "prefix+tev", "base+tev", "exit+predraw",
-            "ddtree@B32", "exittrain+tev@B128"} <= set(names)
+    assert {"chain", "ddtree", "exittrain+tev", "token+tev", "prefix+tev", "opd+tev", "draft-opd", "base+tev",
+            "exit+predraw", "ddtree@B32", "exittrain+tev@B128"} <= set(names)
+    arms = {a.name: a for a in tev_arms(64, (32, 64, 128))}
+    # Draft-OPD: DDTree with only the drafter replaced (main table), and one more objective under TEV (Table 2)
+    assert (arms["draft-opd"].drafter, arms["draft-opd"].verifier, arms["draft-opd"].tables) == ("opd", "predraw_follow", ("main",))
+    assert (arms["opd+tev"].drafter, arms["opd+tev"].verifier, arms["opd+tev"].tables) == ("opd", "tev", ("objective",))
     assert "ddtree@B64" not in names  # the main budget is not repeated
     only_base = [a.name for a in tev_arms(16, (), ("base",))]
     assert only_base == ["ar", "chain", "ddtree", "base+tev"]

@@ -69,9 +69,22 @@ def test_report_tau_target_and_latency_per_model(tmp_path):
     assert "tau target on smollm2" in text and "gsm8k 2.10" in text
     smol = next(line for line in text.splitlines() if line.startswith("- tau target on smollm2"))
     assert "**FAIL**" in smol and "reaches 2 at ~25,600 steps" in smol  # one workload of three reached 2.0
+    assert "overfits" not in smol  # the held-out loss is flat in this curve
     tiny = next(line for line in text.splitlines() if line.startswith("- tau target on tiny-ls"))
     assert "**PASS**" in tiny and "learning curve" not in tiny
     assert "verifier latency on smollm2 (V = 49,152)" in text and "verifier latency on tiny-ls (V = 4,096)" in text
     assert text.count("median per-tree ratio 0.70") == 2
     assert "Base drafter learning curve" in text
     assert isinstance(tables["tev_curve"], pd.DataFrame) and len(tables["tev_curve"]) == 10
+
+
+def test_the_tau_line_names_overfitting_when_the_held_out_loss_rises():
+    from impl.tev.report import _tau_target_lines
+
+    s = _summary()
+    for pt, loss in zip(s["summaries"]["base"]["curve"], (9.0, 6.9, 6.7, 6.8, 7.5)):
+        pt["loss"] = loss
+    arms = pd.DataFrame([{"model": "smollm2", "suite": "gsm8k", "arm": "exittrain+tev", "temperature": 0.0,
+                          "budget": 64, "tau": 1.8}])
+    line = _tau_target_lines(arms, curve_table([s]))[0]
+    assert "**FAIL**" in line and "lowest at step 200 (6.70)" in line and "rose to 7.50 by step 800" in line

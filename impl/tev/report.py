@@ -202,8 +202,25 @@ def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame) -> list[str]:
                          f"{pr['slope_per_e']:+.3f} per e-fold of steps: a line in ln(steps) through its last "
                          f"{pr['points']} points reaches {TAU_TARGET:g} at ~{pr['steps']:,} steps "
                          f"({pr['steps'] / max(pr['last_step'], 1):.0f}x this budget; an extrapolation, not a measurement)")
+        if not ok and len(cm) and "loss" in cm:
+            line += _overfit_note(cm)
         out.append(line)
     return out
+
+
+def _overfit_note(curve: pd.DataFrame, tol: float = 0.02) -> str:
+    """A clause for the tau-target line when the base drafter's held-out loss rose after its minimum
+    (by more than ``tol`` relative): the drafter overfits its rollouts, so more steps are not the lever."""
+    c = curve[curve["step"] > 0].sort_values("step")
+    if len(c) < 2:
+        return ""
+    best = c.loc[c["loss"].idxmin()]
+    last = c.iloc[-1]
+    if float(last["loss"]) <= float(best["loss"]) * (1 + tol):
+        return ""
+    return (f"; its held-out loss was lowest at step {int(best['step'])} ({float(best['loss']):.2f}) and rose to "
+            f"{float(last['loss']):.2f} by step {int(last['step'])}: the drafter overfits its training rollouts, "
+            "so more rollout data (tev.drafter.prompts), not more steps, is the lever")
 
 
 def tev_tables(rows: list[dict], latency: list[dict], summaries: list[dict]) -> dict[str, pd.DataFrame]:

@@ -192,3 +192,25 @@ def test_sharegpt_prompt_ids_use_the_chat_template(data_dir, tiny_tokenizer):
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     chat = sharegpt_prompt_ids(tok, data_dir, 2, max_prompt_tokens=4096)
     assert chat[0] == chat_ids(tok, rows[0]["chat"]) != plain[0]
+
+
+def test_batched_greedy_rollouts_follow_the_target_and_stop_at_eos(tiny_model):
+    """Greedy rollouts batched through transformers' generate (left padding) give the batch-1 AR decode's
+    ids on the tiny target, in prompt order, cut after the first EOS; ``batch_size=1`` keeps the exact path."""
+    from impl.spec.ar import ar_decode
+    from impl.tev.drafter import batched_greedy_rollouts, make_rollouts
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 7, 5, 9, 4)]
+    ref = [(p + ar_decode(tiny_model, p, 12).tokens, len(p)) for p in prompts]
+    assert batched_greedy_rollouts(tiny_model, prompts, 12, None, batch_size=3) == ref
+    eos = ref[1][0][len(prompts[1]) + 4]  # a token prompt 1 generates at its 5th step: it must stop there
+    stopped = batched_greedy_rollouts(tiny_model, prompts, 12, eos, batch_size=5)
+    want = [(p + ar_decode(tiny_model, p, 12, eos_token_id=eos).tokens, len(p)) for p in prompts]
+    assert stopped == want and len(stopped[1][0]) <= len(prompts[1]) + 5
+    layers = (2, 4)
+    a = make_rollouts(tiny_model, prompts, layers, new_tokens=12, batch_size=4)
+    b = make_rollouts(tiny_model, prompts, layers, new_tokens=12)
+    assert a.sequences == b.sequences == ref
+    with pytest.raises(ValueError, match="batch_size"):
+        make_rollouts(tiny_model, prompts, layers, new_tokens=4, batch_size=0)

@@ -44,6 +44,7 @@ _EXPORTS = {
     'sharegpt_prompt_texts': '.drafter',
     'target_features': '.drafter',
     'train_drafter': '.drafter',
+    'batched_greedy_rollouts': '.drafter',
     'curve_steps': '.drafter',
     'check_target_probs': '.exit_law',
     'exit_law': '.exit_law',
@@ -73,7 +74,7 @@ _EXPORTS = {
     'tev': '.verify',
 }
 
-__all__ = ['BlockDrafter', 'DraftTree', 'DrafterConfig', 'DrafterTrainConfig', 'ExitTrainConfig', 'OBJECTIVES', 'RolloutData', 'FixedDrafter', 'TEVResult', 'best_first_tree', 'chain_tree', 'commit_cache', 'curve_steps', 'drafter_dir_for', 'evaluate_decoding', 'evaluate_drafter', 'evaluate_trees', 'exit_loss', 'forward_kl_loss', 'make_rollouts', 'prefix_weights', 'replay_anchors', 'rollout_target_logits', 'sharegpt_prompt_ids', 'sharegpt_prompt_texts', 'target_features', 'tev_decode', 'train_drafter', 'train_exittrain', 'tree_target_logits', 'VERIFIERS', 'ancestor_mask', 'check_target_probs', 'exit_law', 'expected_block_length', 'greedy_follow', 'path_to', 'predraw_follow', 'residual_distribution', 'sequential_residual', 'target_coverage', 'tev', 'tree_attention_mask', 'validate_tree']
+__all__ = ['batched_greedy_rollouts', 'BlockDrafter', 'DraftTree', 'DrafterConfig', 'DrafterTrainConfig', 'ExitTrainConfig', 'OBJECTIVES', 'RolloutData', 'FixedDrafter', 'TEVResult', 'best_first_tree', 'chain_tree', 'commit_cache', 'curve_steps', 'drafter_dir_for', 'evaluate_decoding', 'evaluate_drafter', 'evaluate_trees', 'exit_loss', 'forward_kl_loss', 'make_rollouts', 'prefix_weights', 'replay_anchors', 'rollout_target_logits', 'sharegpt_prompt_ids', 'sharegpt_prompt_texts', 'target_features', 'tev_decode', 'train_drafter', 'train_exittrain', 'tree_target_logits', 'VERIFIERS', 'ancestor_mask', 'check_target_probs', 'exit_law', 'expected_block_length', 'greedy_follow', 'path_to', 'predraw_follow', 'residual_distribution', 'sequential_residual', 'target_coverage', 'tev', 'tree_attention_mask', 'validate_tree']
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -673,6 +673,44 @@ def _rollouts(target, prompts, new_tokens: int, eos_token_id, temperature: float
     return out
 
 
+@torch.no_grad()
+def batched_greedy_rollouts(target, prompts: Sequence[Sequence[int]], new_tokens: int, eos_token_id: int | None,
+                            batch_size: int) -> list[tuple[list[int], int]]:
+    """Greedy rollouts ``batch_size`` prompts at a time with transformers' ``generate`` (left padding,
+    attention mask, KV cache), cut after the first EOS as :func:`impl.spec.ar.ar_decode` stops.
+
+    The target's greedy path up to float rounding: padded batches change the matmul shapes, so a near
+    tie can break differently than in the batch-1 AR decode (training data, not a decoding result).
+
+    Args:
+        target: causal LM in eval mode. prompts: non-empty id lists. new_tokens: >= 1.
+        eos_token_id: stop after this id (None: never early). batch_size: prompts per ``generate`` call.
+
+    Returns:
+        ``(prompt + response ids, prompt length)`` per prompt, in order.
+    """
+    dev = next(target.parameters()).device
+    pad = 0 if eos_token_id is None else int(eos_token_id)
+    out: list[tuple[list[int], int]] = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = [list(map(int, p)) for p in prompts[i:i + batch_size]]
+        T = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), T), pad, dtype=torch.long, device=dev)
+        mask = torch.zeros((len(chunk), T), dtype=torch.long, device=dev)
+        for b, p in enumerate(chunk):
+            ids[b, T - len(p):] = torch.tensor(p, device=dev)
+            mask[b, T - len(p):] = 1
+        gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=None,
+                              do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad,
+                              num_beams=1)[:, T:]  # [b, <= new_tokens]
+        for b, p in enumerate(chunk):
+            resp = gen[b].tolist()
+            if eos_token_id is not None and eos_token_id in resp:
+                resp = resp[:resp.index(eos_token_id) + 1]
+            out.append((p + resp, len(p)))
+    return out
+
+
 @dataclass
 class RolloutData:
     """Target rollouts with their target features and a train / held-out split, computed once and
@@ -703,7 +741,7 @@ class RolloutData:
 def make_rollouts(target, prompts_token_ids: Sequence[Sequence[int]], feature_layers: Sequence[int], *,
                   new_tokens: int = 64, temperature: float = 0.0, eos_token_id: int | None = None,
                   heldout_fraction: float = 0.1, seed: int = 0,
-                  generator: torch.Generator | None = None) -> RolloutData:
+                  generator: torch.Generator | None = None, batch_size: int = 1) -> RolloutData:
     """Roll the frozen target out on every prompt (TEV App. D online rollouts) and compute its
     features once.
 
@@ -718,15 +756,19 @@ def make_rollouts(target, prompts_token_ids: Sequence[Sequence[int]], feature_la
             at least one kept for training).
         seed: seeds ``generator`` when it is None.
         generator: CPU generator for sampled rollouts (advanced in place).
+        batch_size: greedy rollouts per ``generate`` call (:func:`batched_greedy_rollouts`; faster on a
+            real target); 1: one exact AR decode per prompt. Sampled rollouts are always one at a time.
 
     Returns:
         :class:`RolloutData`.
 
     Raises:
-        ValueError: fewer than 2 prompts, bad prompt ids, ``new_tokens < 1``.
+        ValueError: fewer than 2 prompts, bad prompt ids, ``new_tokens < 1`` or ``batch_size < 1``.
     """
 
     prompts = [list(map(int, p)) for p in prompts_token_ids]
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if len(prompts) < 2:
         raise ValueError(f"need at least 2 prompts (train + held out), got {len(prompts)}")
     for p in prompts:
@@ -738,7 +780,9 @@ def make_rollouts(target, prompts_token_ids: Sequence[Sequence[int]], feature_la
     target.eval()
     try:
         t0 = time.perf_counter()
-        seqs = _rollouts(target, prompts, new_tokens, eos_token_id, temperature, gen)
+        seqs = (batched_greedy_rollouts(target, prompts, new_tokens, eos_token_id, batch_size)
+                if batch_size > 1 and temperature == 0 else
+                _rollouts(target, prompts, new_tokens, eos_token_id, temperature, gen))
         t_roll = time.perf_counter() - t0
         t0 = time.perf_counter()
         feats = [target_features(target, s, feature_layers) for s, _ in seqs]

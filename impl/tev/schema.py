@@ -34,6 +34,8 @@ class Drafter(Section):
     prompt_max_tokens: PosInt = Field(96, description="prompt tokens kept per rollout [tokens]")
     rollout_new_tokens: PosInt = Field(64, description="response tokens per rollout [tokens]")
     rollout_temperature: NonNegNum = Field(0.0, description="0: greedy rollouts")
+    rollout_batch_size: PosInt = Field(1, description="greedy rollouts per transformers generate call (left padding; "
+                                                      "faster on a real target); 1: one exact AR decode per prompt")
     steps: PosInt = Field(300, description="optimiser steps of the base drafter")
     batch_size: PosInt = Field(8, description="rollouts per step")
     lr: PosNum = Field(2e-3, description="peak AdamW learning rate")

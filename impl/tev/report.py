@@ -210,7 +210,8 @@ def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame) -> list[str]:
 
 def _overfit_note(curve: pd.DataFrame, tol: float = 0.02) -> str:
     """A clause for the tau-target line when the base drafter's held-out loss rose after its minimum
-    (by more than ``tol`` relative): the drafter overfits its rollouts, so more steps are not the lever."""
+    (by more than ``tol`` relative): the drafter overfits its rollouts (its argmax tau may still rise
+    while its probabilities grow overconfident), so rollout data is a lever beside steps."""
     c = curve[curve["step"] > 0].sort_values("step")
     if len(c) < 2:
         return ""
@@ -219,8 +220,9 @@ def _overfit_note(curve: pd.DataFrame, tol: float = 0.02) -> str:
     if float(last["loss"]) <= float(best["loss"]) * (1 + tol):
         return ""
     return (f"; its held-out loss was lowest at step {int(best['step'])} ({float(best['loss']):.2f}) and rose to "
-            f"{float(last['loss']):.2f} by step {int(last['step'])}: the drafter overfits its training rollouts, "
-            "so more rollout data (tev.drafter.prompts), not more steps, is the lever")
+            f"{float(last['loss']):.2f} by step {int(last['step'])}: the drafter overfits its training rollouts "
+            "(its probabilities grow overconfident while its argmax tau moves as above), so more rollout data "
+            "(tev.drafter.prompts) is a lever beside steps, and the projection in steps alone is optimistic")
 
 
 def tev_tables(rows: list[dict], latency: list[dict], summaries: list[dict]) -> dict[str, pd.DataFrame]:

@@ -191,3 +191,7 @@ def test_default_dag_converts_smollm2_before_its_jobs(tmp_path, data_dir):
     assert any("/ead/smollm2/" in o for o in outputs["measure_ead"])
     assert any("/dex/smollm2+ad/" in o for o in outputs["dex_cell"])
     assert outputs["vskipper_train_flexidepth"][0].startswith(f"{tmp_path}/models/smollm2-flexidepth")  # vSkipper on smollm2
+    # TEV trains drafters for the real model and for tiny-ls; DEX's trained-head arm reads smollm2's (no train_head)
+    assert sorted(o.split(",")[0] for o in outputs["tev_train"]) == [f"{tmp_path}/models/tev/smollm2",
+                                                                    f"{tmp_path}/models/tev/tiny-ls"]
+    assert "train_head" not in outputs

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterable, Mapping, Sequence
 
 import datasets.config as dcfg
@@ -45,7 +46,7 @@ import huggingface_hub.constants as hcst
 import lm_eval
 import torch
 from lm_eval.tasks import TaskManager
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationConfig
 
 from impl.models.load import load_model, load_tokenizer
 from impl.provenance import provenance, write_json, write_jsonl
@@ -65,6 +66,7 @@ from .quality_arms import (
     default_max_length,
     eos_ids_of,
 )
+from .quality_sglang import SGLangCompletionsLM, sglang_quality_arm
 
 __all__ = ["QualityResult", "run_quality", "resolve_skipper", "offline", "request_rows", "SERVED_MODES"]
 
@@ -283,12 +285,6 @@ def _arm_lm(arm: str, s: _ArmSetup):
 @contextlib.contextmanager
 def _sglang_arm_lm(arm: str, s: _ArmSetup):
     """Arm C or D served by upstream SGLang (:mod:`impl.vskipper.quality_sglang`) and its client."""
-    from types import SimpleNamespace
-
-    from transformers import GenerationConfig
-
-    from .quality_sglang import SGLangCompletionsLM, sglang_quality_arm
-
     policy, kwargs = s.sglang_policy if arm == "D" and s.sglang_policy else (None, None)
     mc = AutoConfig.from_pretrained(s.model_dir, local_files_only=True)
     try:

@@ -31,6 +31,7 @@ from impl.serving.sglang_arm import SGLangArm
 from impl.serving.sglang_server import SGLangLaunch
 
 from .quality_arms import RecordingCompletionsLM, post_json
+from .sglang_routed import RoutedSGLangArm
 
 __all__ = ["SGLangCompletionsLM", "sglang_quality_arm"]
 
@@ -118,8 +119,6 @@ def sglang_quality_arm(arm: str, launch: SGLangLaunch, *, policy: str | None = N
     if arm == "D" and not policy:
         raise ValueError("quality arm D on SGLang needs the skipper's policy (e.g. 'flexidepth' and its checkpoint)")
     if arm == "D":
-        from .sglang_routed import RoutedSGLangArm
-
         server = RoutedSGLangArm(launch, policy, policy_kwargs, switch=None, name="always-route",
                                  ready_timeout_s=ready_timeout_s, request_timeout_s=request_timeout_s)
     else:

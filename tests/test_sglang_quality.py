@@ -32,7 +32,7 @@ def wide_dir(tmp_path_factory, tiny_tokenizer):
     from conftest import save_wide_llama
 
     d = tmp_path_factory.mktemp("sglang_quality") / "model"
-    save_wide_llama(d, tiny_tokenizer, 512)
+    save_wide_llama(d, tiny_tokenizer, 1024)  # the runs use max_length 512: SGLang keeps a margin below the context
     return d
 
 
@@ -49,11 +49,13 @@ def test_the_client_speaks_sglangs_dialect(wide_dir):
     lm._rid_queue[(5, 6, 7)].append("vsk_gsm8k/3")
     payload = lm._create_payload([[5, 6, 7]], generate=True, gen_kwargs={"max_gen_toks": 4, "until": ["\n"]})
     assert payload["rid"] == "vsk_gsm8k/3" and "request_id" not in payload and payload["return_token_ids"] is True
-    assert payload["prompt"] == [[5, 6, 7]] or payload["prompt"] == [5, 6, 7]
+    assert payload["prompt"] == [5, 6, 7]  # one prompt: a batch of one would get the rid "vsk_gsm8k/3_0"
     answer = {"id": "vsk_gsm8k/3", "object": "text_completion",
               "choices": [{"index": 0, "text": "ab", "token_ids": [9, 10], "prompt_token_ids": [5, 6, 7],
                            "finish_reason": "stop", "logprobs": None}]}
-    assert lm.parse_generations(answer) == ["ab"]
+    assert "stop" not in payload  # HFLM's stop rule is applied to the ids here, not by SGLang
+    # lm-eval gets the ids decoded as arm A's text (the hand-built "ab" is not what [9, 10] decode to)
+    assert lm.parse_generations(answer) == [lm.tokenizer.decode([9, 10], skip_special_tokens=True)]
     assert lm.received == {"vsk_gsm8k/3": [5, 6, 7]}
     assert lm._responses["vsk_gsm8k/3"]["token_ids"] == [9, 10]
     assert lm._responses["vsk_gsm8k/3"]["vskipper"] == {"request_id": "vsk_gsm8k/3", "engine": "sglang"}
@@ -88,7 +90,7 @@ def test_the_quality_2x2_on_sglang_reproduces_the_in_process_arms(wide_dir, data
                            bbh_subtasks=("boolean_expressions",), datasets_cache_dir=str(tmp_path / "hf"))
         launch = SGLangLaunch(model_dir=wide_dir, python=SGLANG_PY, threads=1, max_total_tokens=4096)
         res = run_quality(wide_dir, RandomSkip(**kwargs), data_dir, ("gsm8k", "coqa"), 2, tmp_path / "out",
-                          options=opts, first_token_docs=1, served="sglang", sglang_launch=launch,
+                          options=opts, first_token_docs=1, max_length=512, served="sglang", sglang_launch=launch,
                           sglang_policy=("random", kwargs), http_concurrency=4)
     finally:
         torch.set_num_threads(prev)

@@ -7,7 +7,8 @@ client, :class:`~impl.vskipper.quality_arms.RecordingCompletionsLM`), speaking S
 same records:
 
 - *request ids*: each request carries ``rid = "<task>/<doc_id>"`` (SGLang's request id, what
-  request-hashing skippers hash: the same id arm B uses), and SGLang's response ``id`` is that rid;
+  request-hashing skippers hash: the same id arm B uses) with its prompt as one flat token-id list (SGLang
+  treats a list of lists as a batch and suffixes its items' rids), and SGLang's response ``id`` is that rid;
 - *generated ids*: ``return_token_ids`` makes SGLang return every choice's ``token_ids``;
 - *received ids*: with it SGLang also returns the ``prompt_token_ids`` its scheduler tokenized for the
   request: the server-side record the prompt-hash gate compares (the in-process server records them
@@ -30,7 +31,7 @@ from lm_eval.models.openai_completions import LocalCompletionsAPI
 from impl.serving.sglang_arm import SGLangArm
 from impl.serving.sglang_server import SGLangLaunch
 
-from .quality_arms import RecordingCompletionsLM, post_json
+from .quality_arms import RecordingCompletionsLM, StopRule, post_json
 from .sglang_routed import RoutedSGLangArm
 
 __all__ = ["SGLangCompletionsLM", "sglang_quality_arm"]
@@ -50,25 +51,45 @@ class SGLangCompletionsLM(RecordingCompletionsLM):
     def __init__(self, arm: str, *, generate_url: str, **kwargs):
         super().__init__(arm, received={}, **kwargs)
         self.generate_url = str(generate_url)
+        self._until: dict[str, list[str]] = {}
+        self._budget: dict[str, int] = {}
 
     def _create_payload(self, messages, generate=False, gen_kwargs=None, seed=1234, eos=None, **kwargs) -> dict:
         payload = super()._create_payload(messages, generate=generate, gen_kwargs=gen_kwargs, seed=seed, eos=eos,
                                           **kwargs)
         if generate:
-            payload["rid"] = payload.pop("request_id")
+            rid = payload.pop("request_id")
+            payload["rid"] = rid
             payload["return_token_ids"] = True
+            # the stop strings are applied here, by HFLM's rule on the ids (as the in-process engine arms do):
+            # SGLang drops the tokens of a matched stop string from its token_ids, so its own stop would
+            # cut the recorded ids short of arm A's (greedy decoding is causal: the kept prefix is the same)
+            self._until[rid] = list(payload.pop("stop", None) or [])
+            self._budget[rid] = int(payload.get("max_tokens") or self._max_gen_toks)
+            # one token-id prompt, not a batch of one: SGLang suffixes a batch item's rid ("<rid>_0"), which
+            # would change both the response id and what a request-hashing skipper hashes
+            prompt = payload.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+                payload["prompt"] = prompt[0]
         return payload
 
     def parse_generations(self, outputs, **kwargs) -> list[str]:
         """lm-eval's parsing, after recording every response by its rid (SGLang's response ``id``): the
-        generated ``token_ids`` and the ``prompt_token_ids`` SGLang received."""
+        generated ``token_ids`` (with the EOS id SGLang stopped at, which it reports as ``matched_stop``)
+        and the ``prompt_token_ids`` SGLang received; the text lm-eval gets is the ids cut by HFLM's stop
+        rule (:class:`~impl.vskipper.quality_arms.StopRule`) and decoded as arm A's."""
         for out in outputs if isinstance(outputs, list) else [outputs]:
             if not isinstance(out, Mapping) or out.get("id") is None:
                 continue
             rid = str(out["id"])
             for ch in (out.get("choices") or [])[:1]:
-                self._responses[rid] = {"text": ch.get("text"), "token_ids": [int(t) for t in ch.get("token_ids") or []],
-                                        "finish_reason": ch.get("finish_reason"),
+                ids = [int(t) for t in ch.get("token_ids") or []]
+                stop = ch.get("matched_stop")
+                if isinstance(stop, int) and not isinstance(stop, bool) and (not ids or ids[-1] != stop):
+                    ids.append(stop)
+                rule = StopRule(self.tokenizer, self._until.get(rid, []), self.eos_ids)
+                ch["text"] = rule.text(rule.cut(ids[:self._budget.get(rid, len(ids))]))
+                self._responses[rid] = {"text": ch["text"], "token_ids": ids, "finish_reason": ch.get("finish_reason"),
                                         "vskipper": {"request_id": rid, "engine": "sglang"}}
                 if ch.get("prompt_token_ids") is not None:
                     self.received[rid] = [int(t) for t in ch["prompt_token_ids"]]

@@ -70,6 +70,7 @@ def test_report_tau_target_and_latency_per_model(tmp_path):
     smol = next(line for line in text.splitlines() if line.startswith("- tau target on smollm2"))
     assert "**FAIL**" in smol and "reaches 2 at ~25,600 steps" in smol  # one workload of three reached 2.0
     assert "overfits" not in smol  # the held-out loss is flat in this curve
+    assert "32.0x this budget" in smol and "ShareGPT" not in smol  # no DDTree rows here: no distribution clause
     tiny = next(line for line in text.splitlines() if line.startswith("- tau target on tiny-ls"))
     assert "**PASS**" in tiny and "learning curve" not in tiny
     assert "verifier latency on smollm2 (V = 49,152)" in text and "verifier latency on tiny-ls (V = 4,096)" in text
@@ -86,5 +87,7 @@ def test_the_tau_line_names_overfitting_when_the_held_out_loss_rises():
         pt["loss"] = loss
     arms = pd.DataFrame([{"model": "smollm2", "suite": "gsm8k", "arm": "exittrain+tev", "temperature": 0.0,
                           "budget": 64, "tau": 1.8}])
+    arms = pd.concat([arms, arms.assign(arm="ddtree", tau=1.7)])
     line = _tau_target_lines(arms, curve_table([s]))[0]
     assert "**FAIL**" in line and "lowest at step 200 (6.70)" in line and "rose to 7.50 by step 800" in line
+    assert "DDTree tau averages 1.70 on these workloads against 1.50 there" in line

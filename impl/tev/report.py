@@ -201,7 +201,14 @@ def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame) -> list[str]:
                          f"T = 0) is {pr['last_tau']:.2f} after {pr['last_step']} steps and gains "
                          f"{pr['slope_per_e']:+.3f} per e-fold of steps: a line in ln(steps) through its last "
                          f"{pr['points']} points reaches {TAU_TARGET:g} at ~{pr['steps']:,} steps "
-                         f"({pr['steps'] / max(pr['last_step'], 1):.0f}x this budget; an extrapolation, not a measurement)")
+                         f"({pr['steps'] / max(pr['last_step'], 1):.1f}x this budget; an extrapolation, not a measurement)")
+        if not ok and len(cm) and "tree_tau" in cm:
+            base = arms[(arms.model == m) & (arms.arm == "ddtree") & (arms.temperature == 0) & (arms.budget == 64)]
+            if len(base):
+                line += (f"; the curve is on held-out ShareGPT contexts (the drafter's training distribution): with "
+                         f"the same base drafter the cells' DDTree tau averages {float(base['tau'].mean()):.2f} on "
+                         f"these workloads against {float(cm.sort_values('step')['tree_tau'].iloc[-1]):.2f} there, so "
+                         "for them the projection is optimistic (workload-like rollouts are the missing data)")
         if not ok and len(cm) and "loss" in cm:
             line += _overfit_note(cm)
         out.append(line)

@@ -32,6 +32,17 @@ def pytest_collection_modifyitems(config, items):
     items[:] = smoke + [item for item in items if id(item) not in first]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``):
+    the tiny models' decodes are latency-bound, and with pytest-xdist two workers share the two cores, so more
+    threads only oversubscribe them. The previous count is restored after the module."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 @pytest.fixture(autouse=True)
 def _no_data_dir_override(monkeypatch):
     """Tests pass data_dir explicitly; IMPL_DATA_DIR (which overrides it) must not leak into them."""

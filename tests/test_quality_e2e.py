@@ -28,18 +28,10 @@ from impl.vskipper.quality_run import run_quality  # noqa: E402
 from impl.quality.tasks import TaskOptions  # noqa: E402
 from impl.vskipper import RandomSkip, StaticDepthSkipper, routed_cb_config  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 LIMIT = 2
 ROUTED = [1, 2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

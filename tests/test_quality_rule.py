@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 import yaml
 
 from impl.config import ConfigError, validate_config
 from conftest import save_wide_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -209,14 +210,6 @@ def test_table5_served_from_rows(tmp_path):
 
 
 # ------------------------------------------------------------------------- the command on a tiny model
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 GEN = 8
 
 

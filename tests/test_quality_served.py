@@ -33,6 +33,8 @@ from impl.serving.arrivals import poisson_arrivals  # noqa: E402
 from impl.vskipper.schema import Engine  # noqa: E402
 from conftest import save_wide_llama
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def _req_row(task="vsk_gsm8k", doc=0, ids=(5, 6, 7), **kw):
     row = {"kind": "request", "suite": "gsm8k", "task": task, "doc_id": doc, "request_id": f"{task}/{doc}",
@@ -174,14 +176,6 @@ def test_replay_lm_gate(tiny_tokenizer):
 
 
 # ------------------------------------------------------------------------------- end to end (tiny)
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 @pytest.fixture(scope="module")
 def quality_run(tmp_path_factory, tiny_tokenizer, data_dir):
     """A tiny random 4-layer Llama (context 512) and a quality run over HTTP with RandomSkip on GSM8K

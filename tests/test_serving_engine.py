@@ -15,18 +15,12 @@ from impl.serving import (ContinuousBatchingArm, Request, check_matched, poisson
                           replay_requests, run_cell, run_load)
 from impl.vskipper import RandomSkip, bind_skipper, routed_cb_config, routed_context
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NEW = 12
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [1, 2, 3],
            [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [60, 2], [20, 30, 40, 50, 21, 31, 41]]
 RATE = 30.0  # requests/s: 6 requests injected over ~0.2 s, several in flight at once
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,8 @@ import yaml
 from impl.config import ConfigError, validate_config
 from conftest import save_wide_llama
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -130,14 +132,6 @@ def test_cb_config_sizes_the_cache_for_the_run():
 
 
 # ------------------------------------------------------------------------- commands on a tiny model
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 VOCAB = 300
 
 

@@ -13,6 +13,8 @@ from impl.spec.dynamic_exit import dynamic_exit_decode, token_per_layer
 from impl.spec.sampling import DecodeRule
 from impl.spec.self_spec import self_spec_decode
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 L = 12
 N = 24
 PROMPTS = [[5], [3, 17, 42, 8, 9], list(range(1, 30))]
@@ -46,15 +48,6 @@ def _check_ada_rounds(res):
         assert r.committed <= r.accepted + 1
     assert res.layer_work == sum(r.layer_work for r in res.rounds)
     assert res.critical_layers == sum(r.critical_layers for r in res.rounds)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These tiny decodes are latency-bound: one intra-op thread is faster on shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,9 @@ from impl.spec.lookahead import NGramPool, _verify, lookahead_decode, step_layou
 from impl.spec.sampling import DecodeRule
 from impl.tev.parents import tree_attention_mask
 
-from test_spec_baselines import _cycle_model, _one_thread  # noqa: F401  (the module-wide one-thread fixture)
+from test_spec_baselines import _cycle_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 N_NEW = 40
 PROMPTS = [[5], [3, 17, 42, 8, 9], list(range(1, 30))]

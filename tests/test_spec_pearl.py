@@ -14,7 +14,9 @@ from impl.spec.ar import ar_decode
 from impl.spec.pearl import pearl_decode
 from impl.spec.sampling import DecodeRule
 
-from test_spec_baselines import _cycle_model, _one_thread  # noqa: F401  (the module-wide one-thread fixture)
+from test_spec_baselines import _cycle_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 N_NEW = 24
 PROMPTS = [[5], [3, 17, 42, 8, 9], list(range(1, 30))]

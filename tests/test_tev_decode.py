@@ -23,15 +23,9 @@ from impl.tev.drafter import BlockDrafter, DrafterConfig
 from impl.tev.tree import DraftTree
 from impl.tev.verify import VERIFIERS
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 P_MIN = 1e-3
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # --- builder ------------------------------------------------------------------------------------

@@ -48,15 +48,9 @@ from impl.tev.verify import (
     tev,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 P_MIN = 1e-3
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # --- random trees and rows ------------------------------------------------------------------------

@@ -12,13 +12,7 @@ from impl.tev.drafter import _block_labels, _pad_batch, position_weights
 from impl.tev.opd import forward_kl_loss, replay_anchors, rollout_target_logits
 from impl.tev.train import ExitTrainConfig, train_exittrain
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _onehot_rows(tokens, V=10):

@@ -26,13 +26,7 @@ from impl.tev.train import (
 from impl.tev.builder import best_first_tree
 from impl.tev.tree import DraftTree
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _hand_trees():

@@ -13,13 +13,7 @@ import torch
 from impl.vskipper.bench import (DEFAULT_GRID, arch_of, check_targets, decode_profile, flop_costs, flop_pred_ratio,
                                  step_benchmark, wide_model)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tiny():

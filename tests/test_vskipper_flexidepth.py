@@ -38,6 +38,8 @@ from impl.vskipper.flexidepth import (
     train_flexidepth,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 N_LAYERS = 4
 ROUTED = (1, 2, 3)
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [1, 2, 3],
@@ -56,14 +58,6 @@ def _tiny():
         for layer in model.model.layers:
             layer.mlp.down_proj.weight.mul_(4.0)
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

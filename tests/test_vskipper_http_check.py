@@ -10,24 +10,17 @@ import csv
 import json
 
 import pytest
-import torch
 
 from impl.vskipper import http_check as hc
 from impl.vskipper.http_check import ARMS, COLUMNS, DEFAULT_CHECKS, check_arms, in_process_reference, write_outputs
 from impl.vskipper.schema import Engine
 from conftest import save_wide_llama
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SPEC = "randomskip:r=0.6,d=0.5,seed=3"
 ENGINE = dict(page_size=16, num_blocks=64, max_batch_tokens=24, max_requests_per_batch=8)  # chunked prefill
 NEW = 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

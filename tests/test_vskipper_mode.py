@@ -30,6 +30,8 @@ from impl.vskipper.mode import (
     profile_routed_cost,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 N_LAYERS = 4
 
 
@@ -43,14 +45,6 @@ def _tiny():
         for layer in model.model.layers:
             layer.mlp.down_proj.weight.mul_(4.0)
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

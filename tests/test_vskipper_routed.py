@@ -29,6 +29,8 @@ from impl.vskipper import (
     unbind_skipper,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 N_LAYERS = 4
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [1, 2, 3],
            [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [60, 61]]
@@ -51,15 +53,6 @@ def _tiny(family: str):
         for layer in model.model.layers:
             layer.mlp.down_proj.weight.mul_(4.0)
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster and behaves on the shared 2-core machine."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -31,20 +31,14 @@ from impl.vskipper.server import serve
 from impl.vskipper.spec import check_skipper_spec, parse_layers, parse_skipper_spec
 from conftest import save_wide_llama
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = "randomskip:r=0.6,d=0.5,seed=3"
 CB = dict(page_size=16, num_blocks=64, max_batch_tokens=24, max_requests_per_batch=8)  # chunked prefill
 TEXT_PROMPTS = ["Question: how many apples?", "def f(x):\n", "Answer: 3 apples."]
 ID_PROMPTS = [[5, 6, 7, 8, 9], list(range(40, 60)), [60, 2]]
 NEW = 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

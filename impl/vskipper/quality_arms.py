@@ -93,7 +93,7 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
     resolve_max_length,
 )
-from transformers import DynamicCache
+from transformers import AutoConfig, DynamicCache, GenerationConfig
 
 from impl.vskipper.api_server import make_server
 from impl.vskipper.driver import CompletionEngine
@@ -107,6 +107,7 @@ __all__ = [
     "prompt_hash",
     "request_id_for",
     "encode_context",
+    "eos_ids_in_dir",
     "eos_ids_of",
     "StopRule",
     "RecordingMixin",
@@ -169,15 +170,39 @@ def encode_context(tokenizer, context: str, max_ctx_len: int | None, add_bos_tok
     return [int(t) for t in ids]
 
 
-def eos_ids_of(model) -> set[int]:
-    """EOS ids ``model.generate`` stops at (the generation config's, else the model config's)."""
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+def eos_ids_of(config, generation_config=None) -> set[int]:
+    """EOS ids ``generate`` stops at: the generation config's, else the model config's.
+
+    Args:
+        config: the model's ``PretrainedConfig`` (``model.config``).
+        generation_config: its ``GenerationConfig`` (``model.generation_config``), or None.
+
+    Returns:
+        the EOS token ids (empty when neither config names one).
+    """
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
     if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
+        eos = getattr(config, "eos_token_id", None)
     if eos is None:
         return set()
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def eos_ids_in_dir(model_dir) -> set[int]:
+    """:func:`eos_ids_of` for an HF model directory, without loading its weights.
+
+    Args:
+        model_dir: HF model directory (``config.json``, optionally ``generation_config.json``).
+
+    Raises:
+        OSError: when ``config.json`` is missing or unreadable.
+    """
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    except OSError:  # no generation_config.json: the model config's EOS
+        generation_config = None
+    return eos_ids_of(config, generation_config)
 
 
 class StopRule:
@@ -363,7 +388,7 @@ class _TokenIdLM(RecordingMixin, LM):
         self.max_length = int(max_length or default_max_length(model, tokenizer))
         self.add_bos_token = add_bos_token
         self.max_gen_toks = int(max_gen_toks)
-        self.eos_ids = eos_ids_of(model)
+        self.eos_ids = eos_ids_of(model.config, getattr(model, "generation_config", None))
         eot = tokenizer.eos_token_id
         self.eos_string = None if eot is None else tokenizer.decode(eot, skip_special_tokens=False)
 

@@ -38,7 +38,6 @@ import time
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Iterable, Mapping, Sequence
 
 import datasets.config as dcfg
@@ -46,7 +45,7 @@ import huggingface_hub.constants as hcst
 import lm_eval
 import torch
 from lm_eval.tasks import TaskManager
-from transformers import AutoConfig, GenerationConfig
+from transformers import AutoConfig
 
 from impl.models.load import load_model, load_tokenizer
 from impl.provenance import provenance, write_json, write_jsonl
@@ -64,6 +63,7 @@ from .quality_arms import (
     RecordingHFLM,
     ServedEndpoint,
     default_max_length,
+    eos_ids_in_dir,
     eos_ids_of,
 )
 from .quality_sglang import SGLangCompletionsLM, sglang_quality_arm
@@ -266,7 +266,7 @@ def _arm_lm(arm: str, s: _ArmSetup):
                 cfg_m = mc.get_text_config() if hasattr(mc, "get_text_config") else mc
                 lm = RecordingCompletionsLM(arm, base_url=endpoint.completions_url,
                                             model=endpoint.served_model_name, tokenizer=s.model_dir,
-                                            max_length=s.max_length, eos_ids=eos_ids_of(model),
+                                            max_length=s.max_length, eos_ids=eos_ids_of(model.config, getattr(model, "generation_config", None)),
                                             add_bos_token=s.add_bos_token, num_concurrent=s.http_concurrency,
                                             timeout_s=s.request_timeout_s, received=endpoint.received,
                                             vocab_size=int(cfg_m.vocab_size), max_logprobs=s.max_logprobs)
@@ -287,11 +287,7 @@ def _sglang_arm_lm(arm: str, s: _ArmSetup):
     """Arm C or D served by upstream SGLang (:mod:`impl.vskipper.quality_sglang`) and its client."""
     policy, kwargs = s.sglang_policy if arm == "D" and s.sglang_policy else (None, None)
     mc = AutoConfig.from_pretrained(s.model_dir, local_files_only=True)
-    try:
-        gen = GenerationConfig.from_pretrained(s.model_dir, local_files_only=True)
-    except OSError:  # no generation_config.json: the model config's EOS
-        gen = None
-    eos = eos_ids_of(SimpleNamespace(generation_config=gen, config=mc))
+    eos = eos_ids_in_dir(s.model_dir)
     cfg_m = mc.get_text_config() if hasattr(mc, "get_text_config") else mc
     with sglang_quality_arm(arm, s.sglang_launch, policy=policy, policy_kwargs=kwargs,
                             request_timeout_s=s.request_timeout_s) as server:

@@ -790,7 +790,7 @@ def run_served_knee(
         _check_arm_pass(arm, stream, passes[arm], rows)
 
     # cut by the 2x2's stop rule and score with lm-eval
-    eos_ids = eos_ids_of(model)
+    eos_ids = eos_ids_of(model.config, getattr(model, "generation_config", None))
     cuts = {arm: _cut_responses(docs, result.responses[arm], tokenizer, eos_ids) for arm in arms}
     hashes = {(d.task, d.doc_id): d.prompt_hash for d in docs}
     result.scores = _score_arms(cuts, hashes, arms, tokenizer, data_dir, suite, out, opts, limit, seed,

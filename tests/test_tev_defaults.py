@@ -45,7 +45,7 @@ def test_from_section_follows_the_config(name):
         assert getattr(e, k) == t["exittrain"][k], k
     assert (e.gamma, e.seed, e.eval_prompts) == (t["drafter"]["gamma"], 7, 0)
     d = DrafterTrainConfig.from_section(typed.drafter, seed=7)
-    for k in ("steps", "batch_size", "lr", "gamma", "rollout_new_tokens", "rollout_temperature"):
+    for k in ("steps", "batch_size", "lr", "gamma", "rollout_new_tokens", "rollout_temperature", "heldout_fraction"):
         assert getattr(d, k) == t["drafter"][k], k
     assert (d.drafter.block_size, d.drafter.n_layers, d.seed) == (t["drafter"]["block_size"], t["drafter"]["n_layers"], 7)
 
@@ -74,7 +74,9 @@ def test_schema_and_defaults_come_from_the_model():
 @pytest.mark.parametrize("patch,key", [({"drafter": {"steps": 0}}, "tev.drafter.steps"),
                                        ({"exittrain": {"objectives": ["exit", "exit"]}}, "tev.exittrain.objectives"),
                                        ({"latency": {"temperature": 0}}, "tev.latency.temperature"),
-                                       ({"drafter": {"stepz": 3}}, "tev.drafter.stepz")])
+                                       ({"drafter": {"stepz": 3}}, "tev.drafter.stepz"),
+                                       ({"drafter": {"prompt_mix": {"alpaca": 1.0}}}, "tev.drafter.prompt_mix"),
+                                       ({"drafter": {"prompt_mix": {"gsm8k": 0}}}, "tev.drafter.prompt_mix")])
 def test_bad_values_name_the_key(tmp_path, patch, key):
     import yaml
 

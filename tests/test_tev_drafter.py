@@ -14,19 +14,11 @@ from impl.tev.drafter import (
     default_feature_layers,
     drafter_dir_for,
     position_weights,
-    sharegpt_prompt_texts,
     target_features,
     train_drafter,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny ops: one thread is much faster on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture()
@@ -166,32 +158,6 @@ def test_tiny_training_run_decreases_loss(tiny_model):
     assert all(torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))  # target frozen
     assert all(p.grad is None for p in tiny_model.parameters())
     assert not drafter.training
-
-
-def test_sharegpt_prompt_texts(data_dir):
-    rows = sharegpt_prompt_texts(data_dir, 3)
-    assert len(rows) == 3
-    assert all(r["text"].startswith("User: ") and r["text"].endswith("\nAssistant:") for r in rows)
-    assert sharegpt_prompt_texts(data_dir, 2, skip=1)[0] == rows[1]
-    assert all(r["text"] == f"User: {r['chat']}\nAssistant:" for r in rows)
-
-
-def test_sharegpt_prompt_ids_use_the_chat_template(data_dir, tiny_tokenizer):
-    """A target with a chat template (smollm2) is rolled out on its own chat format; one without keeps
-    the plain User:/Assistant: text."""
-    from copy import deepcopy
-
-    from impl.tev.drafter import sharegpt_prompt_ids
-    from impl.workloads.tokenize import chat_ids
-
-    rows = sharegpt_prompt_texts(data_dir, 2)
-    plain = sharegpt_prompt_ids(tiny_tokenizer, data_dir, 2, max_prompt_tokens=4096)
-    assert tiny_tokenizer.decode(plain[0], skip_special_tokens=True).startswith("User: ")
-    tok = deepcopy(tiny_tokenizer)
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    chat = sharegpt_prompt_ids(tok, data_dir, 2, max_prompt_tokens=4096)
-    assert chat[0] == chat_ids(tok, rows[0]["chat"]) != plain[0]
 
 
 def test_batched_greedy_rollouts_follow_the_target_and_stop_at_eos(tiny_model):

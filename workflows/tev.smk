@@ -18,7 +18,10 @@ if TEV:
         params:
             cfg=EFFECTIVE_CONFIG,
             sig=sig("data_dir", "seed", "device", "dtype", "max_prompt_tokens",
-                    tev={k: TEV[k] for k in ("drafter", "exittrain", "stop_at_eos")}),
+                    tev={k: TEV[k] for k in ("drafter", "exittrain", "stop_at_eos")},
+                    # the gsm8k prompt source renders its questions as the gsm8k workload does
+                    gsm8k=(CFG.get("workloads") or {}).get("gsm8k") if "gsm8k" in TEV["drafter"].get("prompt_mix", {})
+                    else None),
         threads: TEV["drafter"]["threads"]
         log:
             f"{LOGS}/tev/train/{{model}}.log",

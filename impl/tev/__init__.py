@@ -40,8 +40,10 @@ _EXPORTS = {
     'drafter_dir_for': '.drafter',
     'evaluate_drafter': '.drafter',
     'make_rollouts': '.drafter',
-    'sharegpt_prompt_ids': '.drafter',
-    'sharegpt_prompt_texts': '.drafter',
+    'drafter_prompt_ids': '.prompts',
+    'drafter_prompt_texts': '.prompts',
+    'sharegpt_prompt_ids': '.prompts',
+    'sharegpt_prompt_texts': '.prompts',
     'target_features': '.drafter',
     'train_drafter': '.drafter',
     'batched_greedy_rollouts': '.drafter',
@@ -74,7 +76,7 @@ _EXPORTS = {
     'tev': '.verify',
 }
 
-__all__ = ['batched_greedy_rollouts', 'BlockDrafter', 'DraftTree', 'DrafterConfig', 'DrafterTrainConfig', 'ExitTrainConfig', 'OBJECTIVES', 'RolloutData', 'FixedDrafter', 'TEVResult', 'best_first_tree', 'chain_tree', 'commit_cache', 'curve_steps', 'drafter_dir_for', 'evaluate_decoding', 'evaluate_drafter', 'evaluate_trees', 'exit_loss', 'forward_kl_loss', 'make_rollouts', 'prefix_weights', 'replay_anchors', 'rollout_target_logits', 'sharegpt_prompt_ids', 'sharegpt_prompt_texts', 'target_features', 'tev_decode', 'train_drafter', 'train_exittrain', 'tree_target_logits', 'VERIFIERS', 'ancestor_mask', 'check_target_probs', 'exit_law', 'expected_block_length', 'greedy_follow', 'path_to', 'predraw_follow', 'residual_distribution', 'sequential_residual', 'target_coverage', 'tev', 'tree_attention_mask', 'validate_tree']
+__all__ = ['batched_greedy_rollouts', 'BlockDrafter', 'DraftTree', 'DrafterConfig', 'DrafterTrainConfig', 'ExitTrainConfig', 'OBJECTIVES', 'RolloutData', 'FixedDrafter', 'TEVResult', 'best_first_tree', 'chain_tree', 'commit_cache', 'curve_steps', 'drafter_dir_for', 'drafter_prompt_ids', 'drafter_prompt_texts', 'evaluate_decoding', 'evaluate_drafter', 'evaluate_trees', 'exit_loss', 'forward_kl_loss', 'make_rollouts', 'prefix_weights', 'replay_anchors', 'rollout_target_logits', 'sharegpt_prompt_ids', 'sharegpt_prompt_texts', 'target_features', 'tev_decode', 'train_drafter', 'train_exittrain', 'tree_target_logits', 'VERIFIERS', 'ancestor_mask', 'check_target_probs', 'exit_law', 'expected_block_length', 'greedy_follow', 'path_to', 'predraw_follow', 'residual_distribution', 'sequential_residual', 'target_coverage', 'tev', 'tree_attention_mask', 'validate_tree']
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

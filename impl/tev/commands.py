@@ -32,7 +32,9 @@ def cmd_tev_train(args) -> None:
     from ..runtime import config_from_args, load_for
     from ..models.load import load_tokenizer
     from ..provenance import atomic_path, provenance, write_json
-    from .drafter import DrafterTrainConfig, make_rollouts, sharegpt_prompt_ids, train_drafter
+    from ..workloads.suites import DEFAULT_TEMPLATES
+    from .drafter import DrafterTrainConfig, make_rollouts, train_drafter
+    from .prompts import drafter_prompt_ids
     from .train import ExitTrainConfig, evaluate_trees, train_exittrain
 
     cfg = config_from_args(args)
@@ -52,7 +54,11 @@ def cmd_tev_train(args) -> None:
     target = load_for(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
     core = core_config(cfg)
-    prompts = sharegpt_prompt_ids(tok, core.data_dir, d.prompts, max_prompt_tokens=d.prompt_max_tokens)
+    gsm8k = (cfg.get("workloads") or {}).get("gsm8k") or {}  # the gsm8k source renders as the gsm8k workload
+    prompts, sources = drafter_prompt_ids(tok, core.data_dir, d.prompts, d.prompt_mix,
+                                          max_prompt_tokens=d.prompt_max_tokens,
+                                          gsm8k_template=gsm8k.get("template") or DEFAULT_TEMPLATES["gsm8k"],
+                                          gsm8k_chat=gsm8k.get("chat"))
     tcfg = DrafterTrainConfig.from_section(d, seed=core.seed, progress=not args.quiet)
     eos = target.config.eos_token_id if stop_at_eos else None
     with torch.random.fork_rng(devices=[]):
@@ -62,7 +68,7 @@ def cmd_tev_train(args) -> None:
         layers = BlockDrafter(target, tcfg.drafter).feature_layers
     data = make_rollouts(target, prompts, layers, new_tokens=d.rollout_new_tokens,
                          temperature=d.rollout_temperature, eos_token_id=eos, seed=core.seed,
-                         batch_size=d.rollout_batch_size)
+                         batch_size=d.rollout_batch_size, heldout_fraction=d.heldout_fraction)
 
     def curve(drafter) -> dict:  # held-out tree tau of the main cells' tree (B, depth) at T = 0
         if curve_tree is None:
@@ -84,7 +90,9 @@ def cmd_tev_train(args) -> None:
     with atomic_path(args.out) as tmp:
         for k, dr in drafters.items():
             dr.save(Path(tmp) / k)
-    summary = {"model_dir": str(args.model_dir), "n_prompts": len(prompts), "rollout_tokens": data.rollout_tokens,
+    summary = {"model_dir": str(args.model_dir), "n_prompts": len(prompts),
+               "prompt_sources": {s: sources.count(s) for s in dict.fromkeys(sources)},
+               "rollout_tokens": data.rollout_tokens,
                "rollout_seconds": data.seconds, "drafters": sorted(drafters), "summaries": summaries,
                **provenance(cfg, seed=core.seed)}
     write_json(args.summary, summary)

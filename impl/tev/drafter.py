@@ -29,8 +29,8 @@ inputs draft H tokens. Draft attention is plain PyTorch ``scaled_dot_product_att
 
 Training (:func:`train_drafter`)
 --------------------------------
-The frozen target generates responses (greedy or sampled) to prompt ids (e.g. ShareGPT user turns,
-:func:`sharegpt_prompt_texts`), as the paper trains on target rollouts (App. D). Blocks are anchored
+The frozen target generates responses (greedy or sampled) to prompt ids (the chat + math prompt mixture
+of :mod:`impl.tev.prompts`), as the paper trains on target rollouts (App. D). Blocks are anchored
 at random response positions a (block input ``[x_a, MASK...]``, context = features of positions
 ``< a``); many anchors of one sequence share one drafter pass with a block-diagonal mask (as in
 DFlash/SpecForge). The dense token loss L_tok (Eq. 15) weights the cross-entropy of depth d = k + 1
@@ -58,7 +58,6 @@ from tqdm import tqdm
 
 from impl.models.depth import embed, run_layers
 from impl.spec.ar import ar_decode, check_prompt_ids
-from impl.workloads.tokenize import tokenize_suite
 
 from ..schedule import warmup_decay_scheduler
 from .schema import DEFAULTS as TEV_DEFAULTS
@@ -518,60 +517,6 @@ def target_features(target, input_ids: Sequence[int] | torch.Tensor, feature_lay
     return torch.cat(got, dim=-1)
 
 
-# --- data ---------------------------------------------------------------------------------------
-
-def sharegpt_prompt_texts(data_dir: str | Path, n: int | None = None, *, skip: int = 0,
-                          max_chars: int | None = 2000) -> list[dict]:
-    """User turns of the ShareGPT subset: ``text`` formatted ``"User: {turn}\\nAssistant:"`` (the
-    ``User:/Assistant:`` format of :mod:`impl.models.corpus` and the MT-Bench template) for models
-    without a chat template, and ``chat`` = the bare turn, which a model with a chat template (smollm2)
-    gets through that template (:func:`impl.workloads.tokenize.tokenize_suite`, as the workloads' chat
-    rows; TEV App. D rolls the target out on its own chat format).
-
-    Args:
-        data_dir: the data folder holding ``chat/sharegpt_v3_subset.jsonl``.
-        n: at most this many prompts (None: all).
-        skip: skip this many usable conversations first (e.g. to hold prompts out).
-        max_chars: skip conversations whose first user turn is longer (None: keep all).
-
-    Returns:
-        ``[{"id", "text", "chat"}]``: the first human turn of each conversation that has one, in file order.
-
-    Raises:
-        FileNotFoundError: the file is missing (names the path).
-    """
-    path = Path(data_dir) / "chat" / "sharegpt_v3_subset.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"ShareGPT subset not found: {path} (config key data_dir must point at the "
-                                "folder listed in SOURCES.md)")
-    out: list[dict] = []
-    seen = 0
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            r = json.loads(line)
-            turn = next((t["value"].strip() for t in r.get("conversations", []) if t.get("from") == "human"), "")
-            if not turn or (max_chars is not None and len(turn) > max_chars):
-                continue
-            seen += 1
-            if seen <= skip:
-                continue
-            out.append({"id": r.get("id", str(seen)), "text": f"User: {turn}\nAssistant:", "chat": turn})
-            if n is not None and len(out) >= n:
-                break
-    return out
-
-
-def sharegpt_prompt_ids(tokenizer, data_dir: str | Path, n: int | None = None, *, skip: int = 0,
-                        max_prompt_tokens: int = 256) -> list[list[int]]:
-    """Token ids of :func:`sharegpt_prompt_texts`, tokenized like the workloads
-    (:func:`impl.workloads.tokenize.tokenize_suite`: BOS if any, overlong prompts truncated from the
-    left to ``max_prompt_tokens``; through the tokenizer's chat template when it has one)."""
-
-    rows = sharegpt_prompt_texts(data_dir, n, skip=skip)
-    out, _ = tokenize_suite(rows, tokenizer, max_prompt_tokens)
-    return [r["input_ids"] for r in out]
-
-
 # --- training -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -605,7 +550,7 @@ class DrafterTrainConfig:
     rollout_new_tokens: int = _D["rollout_new_tokens"]
     rollout_temperature: float = _D["rollout_temperature"]
     eos_token_id: int | None = None
-    heldout_fraction: float = 0.1
+    heldout_fraction: float = _D["heldout_fraction"]
     steps: int = _D["steps"]
     batch_size: int = _D["batch_size"]
     anchors_per_seq: int = 16
@@ -627,7 +572,7 @@ class DrafterTrainConfig:
         ``overrides`` (``seed``, ``progress``, ...) win over both."""
         arch = DrafterConfig(block_size=drafter.block_size, n_layers=drafter.n_layers)
         named = {k: getattr(drafter, k) for k in ("rollout_new_tokens", "rollout_temperature", "steps", "batch_size",
-                                                  "lr", "gamma", "curve_points")}
+                                                  "lr", "gamma", "heldout_fraction", "curve_points")}
         return cls(drafter=arch, **{**named, **overrides})
 
 

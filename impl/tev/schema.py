@@ -22,6 +22,7 @@ PosNum = Annotated[float, Field(gt=0)]
 NonNegNum = Annotated[float, Field(ge=0)]
 Suite = Literal["gsm8k", "humaneval", "xsum", "mt_bench", "math500", "bbh", "coqa"]
 Objective = Literal["token", "prefix", "exit", "opd"]
+PromptSource = Literal["sharegpt", "gsm8k"]  # impl.tev.prompts.PROMPT_SOURCES
 
 
 class Drafter(Section):
@@ -30,7 +31,12 @@ class Drafter(Section):
 
     block_size: PosInt = Field(8, description="H: drafted positions per block (the deepest tree)")
     n_layers: PosInt = Field(2, description="non-causal draft layers")
-    prompts: Annotated[int, Field(ge=4)] = Field(200, description="ShareGPT prompts rolled out by the target")
+    prompts: Annotated[int, Field(ge=4)] = Field(200, description="prompts rolled out by the target (all sources)")
+    prompt_mix: dict[PromptSource, PosNum] = Field(
+        {"sharegpt": 1.0}, min_length=1,
+        description="share of each prompt source (TEV App. D's open-perfectblend mixture, offline parts): sharegpt "
+                    "= ShareGPT first user turns (chat), gsm8k = GSM8K train questions rendered as the gsm8k "
+                    "workload (math); interleaved evenly (impl/tev/prompts.py)")
     prompt_max_tokens: PosInt = Field(96, description="prompt tokens kept per rollout [tokens]")
     rollout_new_tokens: PosInt = Field(64, description="response tokens per rollout [tokens]")
     rollout_temperature: NonNegNum = Field(0.0, description="0: greedy rollouts")
@@ -41,6 +47,9 @@ class Drafter(Section):
     lr: PosNum = Field(2e-3, description="peak AdamW learning rate")
     gamma: PosNum = Field(4.0, description="DFlash position decay: depth d weighted exp(-(d-1)/gamma)")
     threads: PosInt = Field(1, description="torch threads of the training job")
+    heldout_fraction: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.1, description="the last ceil(fraction x n) rollouts are held out (the learning curve and the held-out "
+                         "metrics; evaluation time grows with their number)")
     curve_points: Annotated[int, Field(ge=0)] = Field(
         0, description="learning curve: held-out tau (teacher-forced chain, and the B = tev.budget tree at T = 0) "
                        "measured at this many evenly spaced steps of the base training; 0: none")

@@ -309,6 +309,34 @@ def test_route_tape_is_built_once_per_forward_and_all_run_layers_go_dense(base_m
     assert ctx.counts == {(1, 0): [8, 0], (2, 0): [8, 0], (3, 0): [0, 8]}  # both forwards counted
 
 
+def test_route_tape_counts_and_flags_match_the_per_layer_record():
+    """The tape's host-side bookkeeping (one copy per step): all-RUN flags, any_routed and the per-phase
+    RUN / Project-Only counts equal what RowContext.record counts layer by layer, on hand-built rows that
+    mix prefill and decode rows, a dense row and engine padding."""
+    from impl.vskipper.routed import RowContext
+
+    sk = RandomSkip([2, 4, 5, 7], r=0.6, d=0.5, seed=3)
+    rows = RowMeta.concat([RowMeta.for_sequence("p", 0, 5, prompt_len=5), RowMeta.for_sequence("d", 9, 3, prompt_len=8),
+                           RowMeta.for_sequence("x", 4, 2, prompt_len=2)])
+    routed = torch.ones(len(rows), dtype=torch.bool)
+    routed[8] = False  # one dense row of request x
+    meta = RowMeta(rows.request_ids, rows.token_idx, rows.phase, routed=routed).pad_to(13)
+    ctx, ref = RowContext(), RowContext()
+    tape = ctx.tape(sk, meta)
+    raw = sk.route_tape(meta)
+    want_run = raw | ~meta.routed_mask[:, None]
+    assert torch.equal(tape.run, want_run)
+    assert tape.all_run == tuple(bool(x) for x in want_run.all(dim=0)) and tape.any_routed
+    for j, layer in enumerate(sk.routed_layers):
+        ref.record(layer, want_run[:, j], meta)
+    assert ctx.counts == ref.counts and {ph for _, ph in ctx.counts} == {0, 1}
+    # every row dense: nothing routed, nothing counted, every layer all RUN
+    dense = RowMeta(rows.request_ids, rows.token_idx, rows.phase, routed=torch.zeros(len(rows), dtype=torch.bool))
+    empty = RowContext()
+    t2 = empty.tape(sk, dense)
+    assert all(t2.all_run) and not t2.any_routed and empty.counts == {}
+
+
 def test_a_bad_route_tape_is_refused_at_the_layer(base_model):
     class Bad(StaticDepthSkipper):
         def route_tape(self, meta):

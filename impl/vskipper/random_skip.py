@@ -184,7 +184,10 @@ class RandomSkip(Skipper):
 
     def route_tape(self, meta: RowMeta) -> torch.Tensor:
         """``[n_rows, n_routed]`` bool, True = RUN: every routed layer's :meth:`route` of the step in one
-        hash evaluation (the route tape, Sec. 3.1)."""
+        hash evaluation (the route tape, Sec. 3.1). With ``r = 0`` or ``k = 0`` no row can skip, so the
+        tape is all RUN without hashing (``U < 0`` never holds)."""
+        if self.r == 0.0 or self.k == 0:
+            return torch.ones(len(meta), len(self.routed_layers), dtype=torch.bool, device=meta.token_idx.device)
         return ~(self.selected(meta)[:, None] & self.skip_layers(meta))
 
     def route(self, layer_idx: int, hidden: torch.Tensor, meta: RowMeta) -> torch.Tensor:

@@ -146,9 +146,10 @@ class RowMeta:
         """``[n_rows]`` bool, True for engine padding rows (request id None)."""
         return self.request_keys < 0
 
-    @property
+    @functools.cached_property
     def routed_mask(self) -> torch.Tensor:
-        """``[n_rows]`` bool: rows the policy decides for (routed and not padding)."""
+        """``[n_rows]`` bool: rows the policy decides for (routed and not padding). Computed once per
+        instance (the metadata is immutable; the batch's context and its route tape both read it)."""
         m = ~self.is_padding
         return m if self.routed is None else m & self.routed
 

@@ -91,3 +91,6 @@ def test_the_tau_line_names_overfitting_when_the_held_out_loss_rises():
     line = _tau_target_lines(arms, curve_table([s]))[0]
     assert "**FAIL**" in line and "lowest at step 200 (6.70)" in line and "rose to 7.50 by step 800" in line
     assert "DDTree tau averages 1.70 on these workloads against 1.50 there" in line
+    assert "training prompts (sharegpt)" in line  # a summary from before the mixture: ShareGPT alone
+    s["prompt_sources"] = {"sharegpt": 320, "gsm8k": 320}
+    assert "training prompts (sharegpt 320 + gsm8k 320)" in _tau_target_lines(arms, curve_table([s]))[0]

@@ -1,7 +1,7 @@
 """``python -m impl`` commands of the TEV/ExitTrain experiments (registered by :mod:`impl.cli`).
 
-- ``tev-train``: target rollouts on ShareGPT prompts (once, through the target's chat template when it
-  has one), the base DFlash-style drafter (dense decayed token loss; its held-out learning curve when
+- ``tev-train``: target rollouts on the prompt mixture (:mod:`impl.tev.prompts`; once, through the
+  target's chat template when it has one), the base DFlash-style drafter (dense decayed token loss; its held-out learning curve when
   ``tev.drafter.curve_points`` is set), then each ExitTrain objective (token-only, prefix-weighted,
   exit-guided) and Draft-OPD fine-tuned from the base with matched initialisation, data and steps;
   drafters saved under one directory (``base/``, ``token/``, ``prefix/``, ``exit/``, ``opd/``) with a

@@ -847,7 +847,7 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
     Args:
         target: frozen causal LM (not modified; its parameters get no gradients).
         prompts_token_ids: prompt id lists (non-empty, inside the target's vocabulary and context
-            together with ``rollout_new_tokens``), e.g. from :func:`sharegpt_prompt_ids`.
+            together with ``rollout_new_tokens``), e.g. from :func:`impl.tev.prompts.drafter_prompt_ids`.
         cfg: :class:`DrafterTrainConfig`.
         drafter: continue training this drafter instead of a new ``BlockDrafter(target, cfg.drafter)``.
         data: precomputed :class:`RolloutData` (from :func:`make_rollouts`, with the drafter's

@@ -126,14 +126,22 @@ def training_table(summaries: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def prompt_sources(summary: dict) -> str:
+    """The rollout prompts of a training summary, e.g. ``"sharegpt 320 + gsm8k 320"`` (its
+    ``prompt_sources``; a summary from before the prompt mixture rolled out ShareGPT alone)."""
+    src = summary.get("prompt_sources") or {"sharegpt": summary.get("n_prompts")}
+    return " + ".join(f"{k} {v}" if v is not None else k for k, v in src.items())
+
+
 def curve_table(summaries: list[dict]) -> pd.DataFrame:
     """The base drafter's learning curve per model: held-out loss, teacher-forced chain tau and the
     tree tau (1 + C_p of the B-node tree at T = 0, the greedy block length) after each measured step
-    (``tev.drafter.curve_points``)."""
+    (``tev.drafter.curve_points``), on held-out rollouts of the training prompts (column ``prompts``)."""
     out = []
     for s in summaries:
         for pt in (s["summaries"].get("base") or {}).get("curve") or []:
-            out.append({"model": _model_name(s), **{k: v for k, v in pt.items() if not isinstance(v, (list, dict))}})
+            out.append({"model": _model_name(s), "prompts": prompt_sources(s),
+                        **{k: v for k, v in pt.items() if not isinstance(v, (list, dict))}})
     return pd.DataFrame(out)
 
 
@@ -205,7 +213,8 @@ def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame) -> list[str]:
         if not ok and len(cm) and "tree_tau" in cm:
             base = arms[(arms.model == m) & (arms.arm == "ddtree") & (arms.temperature == 0) & (arms.budget == 64)]
             if len(base):
-                line += (f"; the curve is on held-out ShareGPT contexts (the drafter's training distribution): with "
+                src = cm["prompts"].iloc[0] if "prompts" in cm else "sharegpt"
+                line += (f"; the curve is on held-out rollouts of the drafter's training prompts ({src}): with "
                          f"the same base drafter the cells' DDTree tau averages {float(base['tau'].mean()):.2f} on "
                          f"these workloads against {float(cm.sort_values('step')['tree_tau'].iloc[-1]):.2f} there, so "
                          "for them the projection is optimistic (workload-like rollouts are the missing data)")
@@ -357,4 +366,4 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
 
 
 __all__ = ["tev_tables", "arms_table", "claims_table", "calibration_table", "training_table", "curve_table",
-           "steps_to_reach", "report_section"]
+           "prompt_sources", "steps_to_reach", "report_section"]

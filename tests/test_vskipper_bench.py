@@ -285,6 +285,32 @@ def test_cell_budget_adds_rounds_until_spent(monkeypatch):
         assert all(len(r["paired_ratios"]) == want for r in rows if r["kind"] != "upstream")
 
 
+def test_target_rounds_add_pairs_for_the_all_run_arm_and_the_control_only(monkeypatch):
+    """Each fake step takes 1 s; a focus round is U A U C U (4 counted steps: A, U, C, U): a 10 s target
+    budget gives 3 rounds (8 s < 10 s after 2), capped by target_max_repeats; the RandomSkip arm keeps
+    the main rounds' pairs."""
+    import types
+
+    import impl.vskipper.bench as bench
+
+    clock = {"t": 0.0}
+
+    def fake_step(model, cell, ctx, planner=None):
+        clock["t"] += 1.0
+
+    monkeypatch.setattr(bench, "_run_step", fake_step)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    m = _tiny()
+    cell = [dict(phase="decode", requests=4, context=8)]
+    for budget, cap, want in ((0.0, 40, 0), (10.0, 40, 3), (100.0, 2, 2)):
+        rows = {r["arm"]: r for r in step_benchmark(m, cell, grid=[(0.5, 0.5)], hybrid=False, repeats=2, warmup=1,
+                                                    target_budget_s=budget, target_max_repeats=cap, label="t")}
+        assert {a: r["focus_repeats"] for a, r in rows.items()} == {
+            "upstream": 0, "upstream_aa": want, "all_run": want, "random_r0.5_d0.5": 0}, (budget, cap)
+        assert len(rows["all_run"]["paired_ratios"]) == len(rows["upstream_aa"]["paired_ratios"]) == 2 + want
+        assert len(rows["random_r0.5_d0.5"]["paired_ratios"]) == 2 and rows["all_run"]["repeats"] == 2
+
+
 def test_route_bookkeeping_measures_what_the_wrappers_add():
     """A policy whose route tape takes 20 ms: the wrappers' bookkeeping per step is at least that, and
     the layers' own time is not counted (the plain all-RUN tape costs far less)."""

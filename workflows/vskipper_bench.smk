@@ -22,7 +22,7 @@ if CFG.get("vskipper"):
     elif len(_vskb_grid[0]) * len(_vskb_grid[1]) < 9:
         VSKB_ARGS = ("--r " + " ".join(_vskb_grid[0]) + " --d " + " ".join(_vskb_grid[1]) +
                      " --prefill-tokens 512 --prompt-len 128 --decode-requests 8 32 --decode-context 32 --repeats 1"
-                     " --warmup 0 --cell-budget-s 0 --profile-repeats 1 --profile-steps 1 --profile-requests 32"
+                     " --warmup 0 --cell-budget-s 0 --target-budget-s 0 --profile-repeats 1 --profile-steps 1 --profile-requests 32"
                      " --wide-hidden 192 --wide-intermediate 528 --wide-heads 3")
     else:
         VSKB_ARGS = ""

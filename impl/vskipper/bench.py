@@ -336,6 +336,8 @@ def step_benchmark(
     warmup: int = 1,
     cell_budget_s: float = 0.0,
     max_repeats: int = 50,
+    target_budget_s: float = 0.0,
+    target_max_repeats: int = 40,
     seed: int = 0,
     label: str = "",
     log: Callable[[str], None] | None = None,
@@ -359,6 +361,11 @@ def step_benchmark(
         cell_budget_s: seconds of timed steps per cell: after ``repeats`` rounds, rounds go on until the
             cell's timed steps add up to this (short decode steps get many rounds, a long prefill step
             ``repeats``), at most ``max_repeats`` rounds; 0: exactly ``repeats``.
+        target_budget_s, target_max_repeats: after those rounds, further paired rounds of the all-RUN arm and
+            the A/A control alone (``U A U C U``), until their timed steps add up to ``target_budget_s``
+            seconds or ``target_max_repeats`` rounds: the all-RUN target's tolerance (2%) is tighter than a
+            round of every arm can resolve on a long prefill step (0: none). Their paired ratios join the
+            arms' (``focus_repeats`` counts them).
         seed: seed of the inputs and of the default RandomSkip.
         label: copied into every row (e.g. the model's name).
         log: optional progress callback.
@@ -479,6 +486,23 @@ def step_benchmark(
                         times[up_arm.name].append(t_next)
                         paired[arm.name].append(dt / (0.5 * (t_prev + t_next)))
                     t_prev = t_next
+            # precision rounds for the 2% targets: the all-RUN arm and the A/A control alone, paired as above
+            focus = [arm for arm in others if arm.kind in ("all_run", "control")]
+            spent_f, n_focus = 0.0, 0
+            while focus and spent_f < target_budget_s and n_focus < target_max_repeats:
+                perm = torch.randperm(len(focus), generator=order_gen).tolist()
+                t_prev = timed(up_arm)
+                times[up_arm.name].append(t_prev)
+                for j in perm:
+                    arm = focus[j]
+                    dt = timed(arm)
+                    t_next = timed(up_arm)
+                    spent_f += dt + t_next
+                    times[arm.name].append(dt)
+                    times[up_arm.name].append(t_next)
+                    paired[arm.name].append(dt / (0.5 * (t_prev + t_next)))
+                    t_prev = t_next
+                n_focus += 1
             t_up = statistics.median(times["upstream"])
             bookkeeping = {arm.name: route_bookkeeping(model, cell, arm.layers, arm.ctx) for arm in arms
                            if arm.kind == "all_run"}
@@ -496,7 +520,7 @@ def step_benchmark(
                            ratio_ci95=_mean_ci(ratios) if arm.kind != "upstream" else None,
                            skip_share=sh["share"], routed_rows_share=sh["routed_rows"], n_po=sh["n_po"],
                            flop_pred_ratio=pred, abs_gap=abs(meas - pred), repeats=n_rounds,
-                           threads=torch.get_num_threads())
+                           focus_repeats=n_focus if arm in focus else 0, threads=torch.get_num_threads())
                 if arm.name in bookkeeping:
                     row.update(route_bookkeeping_s=bookkeeping[arm.name],
                                route_bookkeeping_share=bookkeeping[arm.name] / t_up)

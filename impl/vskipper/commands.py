@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 #: defaults of the settings (flag name with underscores -> value)
 BENCH_DEFAULTS = dict(
     prefill_tokens=[2048], prompt_len=256, decode_requests=[32, 128], decode_context=64, repeats=5, warmup=1,
-    cell_budget_s=90.0, max_repeats=40,
+    cell_budget_s=90.0, max_repeats=40, target_budget_s=60.0, target_max_repeats=40,
     r=[0.25, 0.5, 0.75], d=[0.25, 0.5, 0.75], hybrid=True, profile_repeats=2, profile_steps=3,
     profile_requests=[32, 128], wide_hidden=256, wide_intermediate=704, wide_layers=12, wide_heads=4,
 )
@@ -96,7 +96,8 @@ def cmd_vskipper_bench(args) -> None:
     rows = step_benchmark(model, cells, routed_layers=routed_layers, grid=grid, flexidepth=flexi,
                           hybrid=bool(s["hybrid"]), profile_kw=profile_kw, repeats=int(s["repeats"]),
                           warmup=int(s["warmup"]), cell_budget_s=float(s["cell_budget_s"]),
-                          max_repeats=int(s["max_repeats"]), seed=core.seed, label=label, log=log.info)
+                          max_repeats=int(s["max_repeats"]), target_budget_s=float(s["target_budget_s"]),
+                          target_max_repeats=int(s["target_max_repeats"]), seed=core.seed, label=label, log=log.info)
     prof = []
     for n in s["profile_requests"]:
         prof += decode_profile(model, requests=int(n), context=int(s["decode_context"]), routed_layers=routed_layers,
@@ -288,6 +289,10 @@ def register(add) -> None:
     sp.add_argument("--cell-budget-s", type=nonneg_float,
                     help="seconds of timed steps per cell: rounds go on past --repeats until then (0: exactly --repeats)")
     sp.add_argument("--max-repeats", type=positive_int, help="at most this many timed rounds per cell")
+    sp.add_argument("--target-budget-s", type=nonneg_float,
+                    help="seconds of further paired rounds of the all-RUN arm and the A/A control alone per cell "
+                         "(the 2%% target's precision; 0: none)")
+    sp.add_argument("--target-max-repeats", type=positive_int, help="at most this many such rounds per cell")
     sp.add_argument("--r", type=fraction, nargs="+", help="RandomSkip row fractions")
     sp.add_argument("--d", type=fraction, nargs="+", help="RandomSkip layer fractions")
     sp.add_argument("--no-hybrid", dest="hybrid", action="store_const", const=False, help="skip the hybrid arms")

@@ -247,6 +247,8 @@ class Bench(Section):
     warmup: NonNegInt | SkipJsonSchema[None] = None
     cell_budget_s: NonNegNum | SkipJsonSchema[None] = None
     max_repeats: PosInt | SkipJsonSchema[None] = None
+    target_budget_s: NonNegNum | SkipJsonSchema[None] = None
+    target_max_repeats: PosInt | SkipJsonSchema[None] = None
     r: Annotated[list[Fraction], Field(min_length=1, json_schema_extra=_UNIQUE)] | SkipJsonSchema[None] = None
     d: Annotated[list[Fraction], Field(min_length=1, json_schema_extra=_UNIQUE)] | SkipJsonSchema[None] = None
     hybrid: bool | SkipJsonSchema[None] = None

@@ -261,10 +261,10 @@ def test_target_verdicts_say_what_the_intervals_resolve():
     assert t["all_run_ci"] == "unresolved" and t["hybrid_dense"] == "NA" and t["hybrid_dense_ci"] is None
 
 
-def test_cell_budget_adds_rounds_until_spent(monkeypatch):
-    """Each fake step takes 1 s; 4 arms (upstream, A/A control, all_run, one RandomSkip) -> 6 counted
-    steps per round: a 15 s budget after 2 rounds gives 3 rounds (12 s < 15 s after 2), capped by
-    max_repeats."""
+@pytest.fixture
+def one_second_steps(monkeypatch):
+    """The bench's clock advanced by exactly 1 s per measured step (no model runs): round counts
+    then follow from the budgets alone."""
     import types
 
     import impl.vskipper.bench as bench
@@ -276,6 +276,12 @@ def test_cell_budget_adds_rounds_until_spent(monkeypatch):
 
     monkeypatch.setattr(bench, "_run_step", fake_step)
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+
+
+def test_cell_budget_adds_rounds_until_spent(one_second_steps):
+    """Each fake step takes 1 s; 4 arms (upstream, A/A control, all_run, one RandomSkip) -> 6 counted
+    steps per round: a 15 s budget after 2 rounds gives 3 rounds (12 s < 15 s after 2), capped by
+    max_repeats."""
     m = _tiny()
     cell = [dict(phase="decode", requests=4, context=8)]
     for budget, cap, want in ((0.0, 50, 2), (15.0, 50, 3), (100.0, 4, 4)):
@@ -285,21 +291,10 @@ def test_cell_budget_adds_rounds_until_spent(monkeypatch):
         assert all(len(r["paired_ratios"]) == want for r in rows if r["kind"] != "upstream")
 
 
-def test_target_rounds_add_pairs_for_the_all_run_arm_and_the_control_only(monkeypatch):
+def test_target_rounds_add_pairs_for_the_all_run_arm_and_the_control_only(one_second_steps):
     """Each fake step takes 1 s; a focus round is U A U C U (4 counted steps: A, U, C, U): a 10 s target
     budget gives 3 rounds (8 s < 10 s after 2), capped by target_max_repeats; the RandomSkip arm keeps
     the main rounds' pairs."""
-    import types
-
-    import impl.vskipper.bench as bench
-
-    clock = {"t": 0.0}
-
-    def fake_step(model, cell, ctx, planner=None):
-        clock["t"] += 1.0
-
-    monkeypatch.setattr(bench, "_run_step", fake_step)
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
     m = _tiny()
     cell = [dict(phase="decode", requests=4, context=8)]
     for budget, cap, want in ((0.0, 40, 0), (10.0, 40, 3), (100.0, 2, 2)):

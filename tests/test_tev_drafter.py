@@ -176,7 +176,7 @@ def test_batched_greedy_rollouts_follow_the_target_and_stop_at_eos(tiny_model):
     assert stopped == want and len(stopped[1][0]) <= len(prompts[1]) + 5
     layers = (2, 4)
     a = make_rollouts(tiny_model, prompts, layers, new_tokens=12, batch_size=4)
-    b = make_rollouts(tiny_model, prompts, layers, new_tokens=12)
+    b = make_rollouts(tiny_model, prompts, layers, new_tokens=12, progress=True)  # bars change nothing
     assert a.sequences == b.sequences == ref
     with pytest.raises(ValueError, match="batch_size"):
         make_rollouts(tiny_model, prompts, layers, new_tokens=4, batch_size=0)

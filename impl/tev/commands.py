@@ -68,7 +68,8 @@ def cmd_tev_train(args) -> None:
         layers = BlockDrafter(target, tcfg.drafter).feature_layers
     data = make_rollouts(target, prompts, layers, new_tokens=d.rollout_new_tokens,
                          temperature=d.rollout_temperature, eos_token_id=eos, seed=core.seed,
-                         batch_size=d.rollout_batch_size, heldout_fraction=d.heldout_fraction)
+                         batch_size=d.rollout_batch_size, heldout_fraction=d.heldout_fraction,
+                         progress=tcfg.progress)
 
     def curve(drafter) -> dict:  # held-out tree tau of the main cells' tree (B, depth) at T = 0
         if curve_tree is None:

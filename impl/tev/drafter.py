@@ -609,9 +609,10 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 
 
 @torch.no_grad()
-def _rollouts(target, prompts, new_tokens: int, eos_token_id, temperature: float, gen) -> list[tuple[list[int], int]]:
+def _rollouts(target, prompts, new_tokens: int, eos_token_id, temperature: float, gen,
+              progress: bool = False) -> list[tuple[list[int], int]]:
     out = []
-    for ids in prompts:
+    for ids in tqdm(prompts, desc="rollouts", disable=not progress, mininterval=5):
         r = ar_decode(target, list(ids), new_tokens, eos_token_id=eos_token_id, temperature=temperature,
                       generator=gen)
         out.append((list(ids) + r.tokens, len(ids)))
@@ -620,7 +621,7 @@ def _rollouts(target, prompts, new_tokens: int, eos_token_id, temperature: float
 
 @torch.no_grad()
 def batched_greedy_rollouts(target, prompts: Sequence[Sequence[int]], new_tokens: int, eos_token_id: int | None,
-                            batch_size: int) -> list[tuple[list[int], int]]:
+                            batch_size: int, progress: bool = False) -> list[tuple[list[int], int]]:
     """Greedy rollouts ``batch_size`` prompts at a time with transformers' ``generate`` (left padding,
     attention mask, KV cache), cut after the first EOS as :func:`impl.spec.ar.ar_decode` stops.
 
@@ -630,6 +631,7 @@ def batched_greedy_rollouts(target, prompts: Sequence[Sequence[int]], new_tokens
     Args:
         target: causal LM in eval mode. prompts: non-empty id lists. new_tokens: >= 1.
         eos_token_id: stop after this id (None: never early). batch_size: prompts per ``generate`` call.
+        progress: show a tqdm bar over prompts.
 
     Returns:
         ``(prompt + response ids, prompt length)`` per prompt, in order.
@@ -637,6 +639,7 @@ def batched_greedy_rollouts(target, prompts: Sequence[Sequence[int]], new_tokens
     dev = next(target.parameters()).device
     pad = 0 if eos_token_id is None else int(eos_token_id)
     out: list[tuple[list[int], int]] = []
+    bar = tqdm(total=len(prompts), desc="rollouts", disable=not progress, mininterval=5)
     for i in range(0, len(prompts), batch_size):
         chunk = [list(map(int, p)) for p in prompts[i:i + batch_size]]
         T = max(len(p) for p in chunk)
@@ -653,6 +656,8 @@ def batched_greedy_rollouts(target, prompts: Sequence[Sequence[int]], new_tokens
             if eos_token_id is not None and eos_token_id in resp:
                 resp = resp[:resp.index(eos_token_id) + 1]
             out.append((p + resp, len(p)))
+        bar.update(len(chunk))
+    bar.close()
     return out
 
 
@@ -686,7 +691,8 @@ class RolloutData:
 def make_rollouts(target, prompts_token_ids: Sequence[Sequence[int]], feature_layers: Sequence[int], *,
                   new_tokens: int = 64, temperature: float = 0.0, eos_token_id: int | None = None,
                   heldout_fraction: float = 0.1, seed: int = 0,
-                  generator: torch.Generator | None = None, batch_size: int = 1) -> RolloutData:
+                  generator: torch.Generator | None = None, batch_size: int = 1,
+                  progress: bool = False) -> RolloutData:
     """Roll the frozen target out on every prompt (TEV App. D online rollouts) and compute its
     features once.
 
@@ -703,6 +709,7 @@ def make_rollouts(target, prompts_token_ids: Sequence[Sequence[int]], feature_la
         generator: CPU generator for sampled rollouts (advanced in place).
         batch_size: greedy rollouts per ``generate`` call (:func:`batched_greedy_rollouts`; faster on a
             real target); 1: one exact AR decode per prompt. Sampled rollouts are always one at a time.
+        progress: show tqdm bars over the rollouts and the feature passes.
 
     Returns:
         :class:`RolloutData`.
@@ -725,12 +732,13 @@ def make_rollouts(target, prompts_token_ids: Sequence[Sequence[int]], feature_la
     target.eval()
     try:
         t0 = time.perf_counter()
-        seqs = (batched_greedy_rollouts(target, prompts, new_tokens, eos_token_id, batch_size)
+        seqs = (batched_greedy_rollouts(target, prompts, new_tokens, eos_token_id, batch_size, progress)
                 if batch_size > 1 and temperature == 0 else
-                _rollouts(target, prompts, new_tokens, eos_token_id, temperature, gen))
+                _rollouts(target, prompts, new_tokens, eos_token_id, temperature, gen, progress))
         t_roll = time.perf_counter() - t0
         t0 = time.perf_counter()
-        feats = [target_features(target, s, feature_layers) for s, _ in seqs]
+        feats = [target_features(target, s, feature_layers)
+                 for s, _ in tqdm(seqs, desc="target features", disable=not progress, mininterval=5)]
         t_feat = time.perf_counter() - t0
     finally:
         target.train(was_training)
@@ -887,7 +895,7 @@ def train_drafter(target, prompts_token_ids: Sequence[Sequence[int]] | None,
             raise ValueError("pass prompts_token_ids or precomputed rollout data")
         data = make_rollouts(target, prompts_token_ids, drafter.feature_layers, new_tokens=cfg.rollout_new_tokens,
                              temperature=cfg.rollout_temperature, eos_token_id=cfg.eos_token_id,
-                             heldout_fraction=cfg.heldout_fraction, generator=gen)
+                             heldout_fraction=cfg.heldout_fraction, generator=gen, progress=cfg.progress)
     elif tuple(data.feature_layers) != tuple(drafter.feature_layers):
         raise ValueError(f"rollout features are for layers {list(data.feature_layers)}, the drafter reads "
                          f"{drafter.feature_layers}")

@@ -23,6 +23,10 @@ RESULTS = CFG["results_dir"]
 FIGURES = CFG["figures_dir"]
 MODELS = CFG["models_dir"]
 LOGS = CFG["logs_dir"]
+# Timed jobs (the seconds they write are results: vSkipper's profile, knee, cells, ablation, map and step
+# benchmark, TEV's verifier latency) take 2 threads, so on the embedded default (snakemake --cores 2) no
+# other job runs beside them. Their commands still run torch with the config's `threads`.
+TIMED_THREADS = 2
 # Jobs run `python -m impl ...` with the interpreter that runs Snakemake (its bin dir first on PATH).
 envvars:
     "PATH",
@@ -169,7 +173,7 @@ def vsk_xd_cfg(w):
 
 def vsk_xd_threads(w):
     """Threads of a device job: the cores its torch threads use (never fewer than the main timed jobs)."""
-    return max(VSK_TIMED_THREADS, VSK_DEVICES[w.vsk_device]["threads"])
+    return max(TIMED_THREADS, VSK_DEVICES[w.vsk_device]["threads"])
 
 
 def vsk_xd_resources(**defaults):

@@ -5,9 +5,8 @@
 #   -> mechanism ablation at the knee -> RandomSkip r x d map at randomskip.point -> tables, figures, report.
 # Each command is documented in impl/serving/commands.py (python -m impl CMD --help).
 #
-# Timing rules (profile, knee, cells, ablation, map) take 2 threads: on the embedded default
-# (snakemake --cores 2) no other job of the DAG runs beside a timed one. The commands themselves run
-# torch with the config's `threads` (the engine is one thread).
+# Timing rules (profile, knee, cells, ablation, map) take TIMED_THREADS (common.smk): alone on the
+# embedded default.
 VSK = CFG.get("vskipper")
 if VSK:
     VSK_MODEL = VSK["model"]
@@ -17,7 +16,6 @@ if VSK:
     VSK_TABLES = f"{RESULTS}/tables/vskipper"
     VSK_W0 = VSK["workloads"][0]  # share measurement, ablation and RandomSkip map run on the first workload
     VSK_POINTS = list(VSK["load_points"])
-    VSK_TIMED_THREADS = 2
 
 
     wildcard_constraints:
@@ -54,7 +52,7 @@ if VSK:
         params:
             cfg=EFFECTIVE_CONFIG,
             sig=vsk_sig("profile", "engine", "max_new_tokens", "randomskip"),
-        threads: VSK_TIMED_THREADS
+        threads: TIMED_THREADS
         log:
             f"{LOGS}/vskipper/profile_{{vsk_policy}}.log",
         shell:
@@ -72,7 +70,7 @@ if VSK:
         params:
             cfg=EFFECTIVE_CONFIG,
             sig=vsk_sig("knee", "engine", "requests", "max_new_tokens", "load_points", "timeout_s"),
-        threads: VSK_TIMED_THREADS
+        threads: TIMED_THREADS
         log:
             f"{LOGS}/vskipper/knee_{{suite}}.log",
         shell:
@@ -96,7 +94,7 @@ if VSK:
             cfg=EFFECTIVE_CONFIG,
             args=lambda w: f"--point {w.vsk_point} --experiment main",
             sig=vsk_sig("engine", "requests", "max_new_tokens", "repetitions", "lanes", "timeout_s"),
-        threads: VSK_TIMED_THREADS
+        threads: TIMED_THREADS
         log:
             f"{LOGS}/vskipper/cells/{{suite}}/{{vsk_point}}.log",
         shell:
@@ -120,7 +118,7 @@ if VSK:
                 args=("--point knee --experiment ablation --lanes matched --drop-ids "
                       f"--repetitions {VSK['ablation_repetitions']} --arms {' '.join(VSK['ablations'])}"),
                 sig=vsk_sig("engine", "requests", "max_new_tokens", "ablations", "ablation_repetitions", "timeout_s"),
-            threads: VSK_TIMED_THREADS
+            threads: TIMED_THREADS
             log:
                 f"{LOGS}/vskipper/ablation_{{suite}}.log",
             shell:
@@ -142,7 +140,7 @@ if VSK:
             params:
                 cfg=EFFECTIVE_CONFIG,
                 sig=vsk_sig("engine", "requests", "max_new_tokens", "randomskip", "timeout_s"),
-            threads: VSK_TIMED_THREADS
+            threads: TIMED_THREADS
             log:
                 f"{LOGS}/vskipper/randomskip_{{suite}}.log",
             shell:
@@ -214,7 +212,7 @@ if VSK:
                 cfg=EFFECTIVE_CONFIG,
                 sig=sig("data_dir", "seed", "threads", "device", "dtype", vsk={k: VSK[k] for k in (
                     "model", "engine", "requests", "max_new_tokens", "timeout_s", "load_points", "quality")}),
-            threads: VSK_TIMED_THREADS
+            threads: TIMED_THREADS
             log:
                 f"{LOGS}/vskipper/quality_served_{{qsuite}}.log",
             shell:

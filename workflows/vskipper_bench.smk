@@ -48,7 +48,7 @@ if CFG.get("vskipper"):
                                   f"--model-dir {input.model} --flexidepth {input.ckpt}"),
             args=VSKB_ARGS,
             sig=sig("seed", "threads", "device", "dtype", vsk={k: VSKB.get(k) for k in ("bench", "randomskip")}),
-        threads: 2
+        threads: TIMED_THREADS
         log:
             f"{LOGS}/vskipper/bench_{{vskb_label}}.log",
         shell:

@@ -104,7 +104,7 @@ if VSKH_KNEE_BENCH:
             cfg=EFFECTIVE_CONFIG,
             label=f"{VSK_MODEL}@knee",
             sig=vsk_sig("model", "requests", "max_new_tokens", "engine", "http", "load_points"),
-        threads: VSK_TIMED_THREADS
+        threads: TIMED_THREADS
         log:
             f"{LOGS}/vskipper/knee_bench_serving.log",
         shell:

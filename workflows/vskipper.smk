@@ -3,7 +3,7 @@
 #   FlexiDepth-style skipper (stage-1 training) -> share + routed-cost profile -> rule-derived thresholds
 #   knee sweep on upstream (per workload) -> cells at vskipper.load_points x Q* (matched / natural lanes)
 #   -> mechanism ablation at the knee -> RandomSkip r x d map at randomskip.point -> tables, figures, report.
-# Each command is documented in impl/serving/commands.py (python -m impl CMD --help).
+# Each command is documented in impl/vskipper/serving_commands.py (python -m impl CMD --help).
 #
 # Timing rules (profile, knee, cells, ablation, map) take TIMED_THREADS (common.smk): alone on the
 # embedded default.

@@ -311,4 +311,7 @@ def test_tev_train_writes_every_objective_and_the_learning_curve(tmp_path, tiny_
     assert all(p["tree_budget"] == 6 and 1.0 <= p["tree_tau"] <= 4.0 and p["n_contexts"] > 0 for p in curve)
     assert curve[-1]["chain_tau"] == s["summaries"]["base"]["heldout_after"]["chain_tau"]
     assert len(s["summaries"]["opd"]["losses"]["opd"]) == 2
+    # the shared base drafter is evaluated once; every objective's summary carries that evaluation
+    befores = [s["summaries"][k]["before"] for k in ("token", "prefix", "exit", "opd")]
+    assert befores[0] is not None and all(b == befores[0] for b in befores)
     assert curve_steps(2, 5) == [1, 2] and curve_steps(10, 0) == []

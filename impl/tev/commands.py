@@ -83,10 +83,16 @@ def cmd_tev_train(args) -> None:
         base, base_summary = train_drafter(target, None, tcfg, data=data, curve=curve)
     summaries = {"base": base_summary}
     drafters = {"base": base}
+    before = None  # every objective starts from the same base drafter: its evaluation runs once
     for obj in objectives:
-        ecfg = ExitTrainConfig.from_section(t, seed=core.seed, eval_prompts=0, progress=not args.quiet)
+        ecfg = ExitTrainConfig.from_section(t, seed=core.seed, eval_prompts=0, progress=not args.quiet,
+                                            eval_before=before is None)
         with torch.enable_grad():
             drafters[obj], summaries[obj] = train_exittrain(target, base, data, ecfg, objective=obj)
+        if before is None:
+            before = summaries[obj].get("before")
+        else:
+            summaries[obj]["before"] = before
         log.info("tev-train %s: %.0f s", obj, summaries[obj]["seconds"]["total"])
     with atomic_path(args.out) as tmp:
         for k, dr in drafters.items():

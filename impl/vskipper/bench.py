@@ -466,42 +466,38 @@ def step_benchmark(
                     _run_step(model, cell, arm.ctx, arm.planner)
                     return time.perf_counter() - t0
 
-            spent, n_rounds = 0.0, 0
-            for rnd in range(extra_warmup + max(1, repeats, int(max_repeats))):
-                if rnd >= extra_warmup + max(1, repeats) and spent >= cell_budget_s:
-                    break
-                perm = torch.randperm(len(others), generator=order_gen).tolist()
+            def paired_round(group, keep: bool) -> float:
+                """One round U g1 U g2 U ... over ``group`` in a seeded random order; each arm's step is
+                paired with the mean of its two upstream neighbours. Returns the counted seconds (0 when
+                not kept: a warm-up round)."""
+                spent_r = 0.0
                 t_prev = timed(up_arm)
-                keep = rnd >= extra_warmup
-                n_rounds += keep
                 if keep:
                     times[up_arm.name].append(t_prev)
-                for j in perm:
-                    arm = others[j]
+                for j in torch.randperm(len(group), generator=order_gen).tolist():
+                    arm = group[j]
                     dt = timed(arm)
                     t_next = timed(up_arm)
                     if keep:
-                        spent += dt + t_next
+                        spent_r += dt + t_next
                         times[arm.name].append(dt)
                         times[up_arm.name].append(t_next)
                         paired[arm.name].append(dt / (0.5 * (t_prev + t_next)))
                     t_prev = t_next
+                return spent_r
+
+            spent, n_rounds = 0.0, 0
+            for rnd in range(extra_warmup + max(1, repeats, int(max_repeats))):
+                if rnd >= extra_warmup + max(1, repeats) and spent >= cell_budget_s:
+                    break
+                keep = rnd >= extra_warmup
+                n_rounds += keep
+                spent += paired_round(others, keep)
             # precision rounds for the 2% targets: the all-RUN arm and the A/A control alone, paired as above
             focus = [arm for arm in others if arm.kind in ("all_run", "control")]
             spent_f, n_focus = 0.0, 0
             while focus and spent_f < target_budget_s and n_focus < target_max_repeats:
-                perm = torch.randperm(len(focus), generator=order_gen).tolist()
-                t_prev = timed(up_arm)
-                times[up_arm.name].append(t_prev)
-                for j in perm:
-                    arm = focus[j]
-                    dt = timed(arm)
-                    t_next = timed(up_arm)
-                    spent_f += dt + t_next
-                    times[arm.name].append(dt)
-                    times[up_arm.name].append(t_next)
-                    paired[arm.name].append(dt / (0.5 * (t_prev + t_next)))
-                    t_prev = t_next
+                spent_f += paired_round(focus, True)
                 n_focus += 1
             t_up = statistics.median(times["upstream"])
             bookkeeping = {arm.name: route_bookkeeping(model, cell, arm.layers, arm.ctx) for arm in arms

@@ -9,7 +9,9 @@ verifier gives the same output as a reference written from the definitions with 
 consumption (validate=True and validate=False alike); the sampler / draw-mode variants keep the
 committed-block law (chi-square); the in-place KV commit equals a full gather. The benchmark runs on a
 tiny random target with a FixedDrafter and returns well-formed rows whose mean block lengths agree
-with each other and with 1 + mean C_p. No timing is asserted (machines are noisy).
+with each other and with 1 + mean C_p, at the target's V and on the same trees restricted to narrower
+vocabularies (restrict_vocab keeps the drafted tokens and every row's mode). No timing is asserted
+(machines are noisy).
 """
 
 import functools
@@ -33,7 +35,7 @@ from impl.tev.exit_law import (
     residual_distribution,
     unchecked_exit_cdf,
 )
-from impl.tev.latency import DEFAULT_VERIFIERS, TargetChainDrafter, bigram_drafter, verifier_latency
+from impl.tev.latency import DEFAULT_VERIFIERS, TargetChainDrafter, bigram_drafter, restrict_vocab, verifier_latency
 from impl.tev.plan import tree_plan
 from impl.tev.tree import DraftTree, path_to
 from impl.tev.verify import (
@@ -564,6 +566,52 @@ def test_benchmark_mean_block_lengths_agree(latency_rows):
                 assert abs(r["mean_tau"] - s["mean_tau"]) < 4.5 * math.hypot(r["tau_se"], s["tau_se"])
 
 
+def test_restrict_vocab_keeps_the_tree_and_the_modes():
+    """Drafted tokens and every row's mode survive the restriction, renumbered to their column; the
+    kept columns are the largest ones in token order and each row is renormalised, so the exit law of
+    the restricted problem equals the original's conditioned on the kept columns."""
+    V, tree = 50, DraftTree.from_paths([[7, 3], [7, 44], [12]], root_token=5)  # N = 5 nodes
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(len(tree), V, generator=g) * 2.0, -1)  # [N, V]
+    probs[:, 44] = 1e-9  # a drafted token of tiny mass is still kept
+    probs /= probs.sum(-1, keepdim=True)
+    sub_tree, sub = restrict_vocab(tree, probs, 12)
+    assert sub.shape == (5, 12) and sub.is_contiguous() and torch.allclose(sub.sum(-1), torch.ones(5))
+    drafted = set(tree.tokens[1:])
+    others = sorted((c for c in range(V) if c not in drafted), key=lambda c: -float(probs[:, c].max()))
+    kept = sorted(drafted | set(others[:12 - len(drafted)]))
+    assert len(kept) == 12 and set(tree.tokens[1:]) <= set(kept) and set(probs.argmax(-1).tolist()) <= set(kept)
+    assert sub_tree.parents == tree.parents and sub_tree.tokens[0] == -1
+    assert [kept[t] for t in sub_tree.tokens[1:]] == tree.tokens[1:]
+    assert torch.allclose(sub, probs[:, kept] / probs[:, kept].sum(-1, keepdim=True))
+    P, _, _ = exit_law(sub_tree.parents, sub_tree.tokens, sub)
+    # a child's edge probability is p_parent(token) renormalised over the kept columns
+    assert float(P[1:].sum()) > 0
+    assert restrict_vocab(tree, probs, V) == (tree, probs)
+    with pytest.raises(ValueError, match="2 N - 1 = 9"):
+        restrict_vocab(tree, probs, 8)
+    with pytest.raises(ValueError, match="V = 50"):
+        restrict_vocab(tree, probs, 51)
+
+
+def test_benchmark_vocab_sweep_times_the_same_trees(tiny_model, oracle_drafter):
+    """With vocab_sizes the benchmark adds rows per narrower V' on the same trees (same sizes, same
+    number of calls), full V first; widths at or above V are skipped; every width keeps the exactness
+    check (mean tau = 1 + mean C_p within sampling error)."""
+    rows = verifier_latency(tiny_model, oracle_drafter, PROMPTS, budgets=(4, 16), depth=4, temperature=0.3,
+                            n_trees=6, repeats=10, seed=3, rounds_per_prompt=4, vocab_sizes=(500, 40))
+    assert [(r["budget"], r["vocab_size"], r["restricted"], r["verifier"]) for r in rows] == [
+        (b, v, v < V_TINY, name) for b in (4, 16) for v in (V_TINY, 40) for name in DEFAULT_VERIFIERS]
+    for b in (4, 16):
+        got = [r for r in rows if r["budget"] == b]
+        assert len({r["mean_tree_size"] for r in got}) == 1 and len({r["n_calls"] for r in got}) == 1
+        for r in got:
+            assert abs(r["mean_tau"] - r["expected_tau"]) < 4.5 * r["tau_se"] + 1e-9, r
+    with pytest.raises(ValueError, match="vocab_sizes must be ints >= 2 \\* max\\(budgets\\) \\+ 1 = 33"):
+        verifier_latency(tiny_model, oracle_drafter, PROMPTS, budgets=(4, 16), depth=4, n_trees=1, repeats=1,
+                         vocab_sizes=(32,))
+
+
 def test_benchmark_greedy_block_lengths_are_exact(tiny_model):
     rows = verifier_latency(tiny_model, FixedDrafter(_peaked, block_size=8), [[3, 1, 4, 1, 5]], budgets=(8,), depth=3,
                             temperature=0.0, n_trees=4, repeats=2, warmup=0, seed=0)
@@ -674,6 +722,21 @@ def test_commit_in_any_grad_mode(tiny_model, build_mode, commit_mode):
     with modes[build_mode](), torch.no_grad():
         tiny_model(input_ids=torch.tensor([[7]]), cache=cache, use_cache=True)
     assert cache.get_seq_length() == len(prefix) + 4
+
+
+def test_report_ratio_by_vocab():
+    """The V sweep's line lists TEV's paired ratio to predraw per target budget at each width, smallest
+    first; one width gives no line."""
+    import pandas as pd
+
+    from impl.tev.report import _ratio_by_vocab
+
+    rows = [{"budget": b, "vocab_size": v, "verifier": ver, "baseline": "predraw_follow", "ratio_median": r}
+            for b in (32, 64, 128) for v, r in ((49152, 0.2), (4096, 0.6))
+            for ver, r in (("predraw_follow", 1.0), ("tev", r * (0.9 if b == 128 else 1.0)))]
+    (line,) = _ratio_by_vocab(pd.DataFrame(rows))
+    assert "V = 4,096 / 49,152 columns" in line and "B = 64: 0.60 / 0.20; B = 128: 0.54 / 0.18" in line
+    assert _ratio_by_vocab(pd.DataFrame([r for r in rows if r["vocab_size"] == 4096])) == []
 
 
 def test_report_latency_without_target_budgets_says_so():

@@ -160,10 +160,10 @@ def cmd_tev_latency(args) -> None:
                  "sequential_residual": sequential_residual, "tev": tev}
     rows = verifier_latency(target, drafter, prompts, budgets=tuple(lat.budgets), depth=t.depth,
                             temperature=lat.temperature, n_trees=lat.trees, repeats=lat.repeats,
-                            seed=core_config(cfg).seed, verifiers=verifiers, isolated=("predraw_ddtree_multinomial",))
+                            seed=core_config(cfg).seed, verifiers=verifiers, isolated=("predraw_ddtree_multinomial",),
+                            vocab_sizes=tuple(lat.vocab_sizes))
     prov = run_provenance(cfg)
-    vocab = int(target.get_output_embeddings().weight.shape[0])  # V of the p_v rows every verifier reads
-    write_jsonl(args.out, [{**r, "model": args.model, "vocab_size": vocab, **prov} for r in rows])
+    write_jsonl(args.out, [{**r, "model": args.model, **prov} for r in rows])  # rows carry vocab_size
 
 
 def cmd_tev_tables(args) -> None:

@@ -25,6 +25,13 @@ ratio of the means) and the mean output-block length tau = D + 1 (bonus counted,
 every timed call) against 1 + mean C_p(T) of the same trees (Eq. 11: E[tau | T] = 1 + C_p(T) for
 every exact verifier), with its standard error, for the tau-agreement check. Timing is wall-clock
 on the calling thread: compare arms only within one call, as ratios (DESIGN.md "Timing").
+
+How the ratio moves with the vocabulary V (``vocab_sizes``): on each realized tree every verifier is
+also timed on the same tree's verification problem restricted to V' < V columns
+(:func:`restrict_vocab`: the tree's tokens plus the columns of largest probability, rows
+renormalised), so the trees, the paths' structure and the commit are shared and only the width of
+the p_v rows differs. Predraw draws one token per node over all V columns (O(N V)); TEV reads
+p_v only along the path it walks (TEV Sec. 4), so its ratio to predraw falls as V grows.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from impl.spec.ar import check_prompt_ids
 from .builder import best_first_tree
 from .decode import FixedDrafter, _forward, _IncrementalContext, _PlainContext, _sync, commit_cache
 from .exit_law import target_coverage
+from .tree import DraftTree
 from .verify import VERIFIERS
 
 #: the verifiers timed by default and the baseline the ratios refer to (DDTree's predraw)
@@ -62,6 +70,41 @@ def _median(xs: Sequence[float]) -> float:
 
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def restrict_vocab(tree: DraftTree, probs: torch.Tensor, vocab: int) -> tuple[DraftTree, torch.Tensor]:
+    """The tree's verification problem over ``vocab`` columns of the vocabulary (the latency
+    benchmark's V sweep; module docstring): the columns are the tree's draft tokens plus the
+    columns of largest probability (by their largest p_v over the tree's rows, so every row's mode is
+    kept when ``vocab >= 2 N - 1``), in ascending token order; the rows are renormalised and the tree's
+    tokens renumbered to their column.
+
+    Args:
+        tree: a realized tree (N nodes; ``tree.tokens[1:]`` index ``probs``' columns).
+        probs: float ``[N, V]`` target rows p_v (each sums to 1).
+        vocab: V' columns to keep, ``2 N - 1 <= V' <= V`` (room for the draft tokens and every row's mode).
+
+    Returns:
+        ``(tree', probs')``: the renumbered tree (root token -1) and float ``[N, V']`` rows, contiguous.
+        ``V' == V`` returns the inputs unchanged.
+
+    Raises:
+        ValueError: ``vocab`` outside ``[2 N - 1, V]``.
+    """
+    n, V = probs.shape
+    if not 2 * n - 1 <= vocab <= V:
+        raise ValueError(f"vocab must be in [2 N - 1 = {2 * n - 1}, V = {V}] for a tree of {n} nodes, got {vocab}")
+    if vocab == V:
+        return tree, probs
+    drafted = torch.tensor(tree.tokens[1:], dtype=torch.long, device=probs.device)  # [N - 1]
+    score = probs.amax(0).clone()  # [V]
+    score[drafted] = float("inf")
+    cols = torch.topk(score, vocab).indices.sort().values  # [V']
+    col_of = torch.full((V,), -1, dtype=torch.long, device=probs.device)
+    col_of[cols] = torch.arange(vocab, device=probs.device)
+    sub = probs.index_select(1, cols)  # [N, V']
+    sub = (sub / sub.sum(-1, keepdim=True)).contiguous()
+    return DraftTree(list(tree.parents), [-1] + col_of[drafted].tolist()), sub
 
 
 def _resolve(verifiers) -> dict[str, Callable]:
@@ -139,6 +182,7 @@ def verifier_latency(
     baseline: str = BASELINE,
     rounds_per_prompt: int = 8,
     isolated: Sequence[str] = (),
+    vocab_sizes: Sequence[int] = (),
 ) -> list[dict]:
     """Time verifier decision + cache commit per realized tree, interleaved across verifiers
     (TEV App. D.1, Table 3; protocol in the module docstring).
@@ -166,12 +210,17 @@ def verifier_latency(
         isolated: verifier names timed in passes of their own after the interleaved ones (same
             trees, same cache copies protocol), for reference arms that would evict the others'
             caches (see :func:`_time_tree`); must be among ``verifiers`` and not the baseline.
+        vocab_sizes: V' values below the target's V at which every verifier is also timed on the
+            same trees (:func:`restrict_vocab`; values >= V are skipped); each needs
+            ``V' >= 2 * max(budgets) + 1``.
 
     Memory: each tree holds ``(warmup + repeats) * len(verifiers)`` deep copies of the KV cache.
 
     Returns:
-        One dict per (budget, verifier), budgets in the given order, verifiers in the given order:
-        ``budget, verifier, baseline, depth, temperature, n_trees, repeats, n_calls`` (timed calls),
+        One dict per (budget, vocabulary width, verifier), budgets in the given order, the full V first
+        and then the ``vocab_sizes`` below it in ascending order, verifiers in the given order:
+        ``budget, vocab_size`` (the width V' of the timed rows), ``restricted`` (V' < V),
+        ``verifier, baseline, depth, temperature, n_trees, repeats, n_calls`` (timed calls),
         ``timing`` (``"interleaved"`` or ``"isolated"``),
         ``median_us`` / ``mean_us`` (median / mean over trees of the per-tree median of decision +
         commit, microseconds), ``decision_median_us`` / ``commit_median_us`` (median over trees of
@@ -186,30 +235,40 @@ def verifier_latency(
     Raises:
         ValueError: no prompts, a bad prompt, ``depth`` outside ``[1, block_size]``, a budget < 1,
             ``n_trees`` / ``repeats`` < 1, ``warmup`` < 0, T < 0, unknown verifiers or a baseline
-            not among them, or a prompt too long for ``rounds_per_prompt`` rounds in the context.
+            not among them, a ``vocab_sizes`` entry below ``2 * max(budgets) + 1``, or a prompt too
+            long for ``rounds_per_prompt`` rounds in the context.
     """
     arms = _resolve(verifiers)
     _check_latency_args(target, drafter, prompts, arms, baseline, isolated, budgets, depth, temperature,
-                        n_trees, repeats, warmup, rounds_per_prompt)
+                        n_trees, repeats, warmup, rounds_per_prompt, vocab_sizes)
     device = next(target.parameters()).device
     rows: list[dict] = []
     for budget in budgets:
         gen = torch.Generator(device=device).manual_seed(seed)
-        gens = {name: torch.Generator(device=device).manual_seed(seed + 1 + i) for i, name in enumerate(arms)}
-        acc = _BudgetTimings(arms)
+        accs: dict[int, _BudgetTimings] = {}  # V' -> timings; the full V first
+        gens: dict[int, dict[str, torch.Generator]] = {}  # V' -> one generator per verifier
         for tree, probs, cache, prefix_len in _realized_trees(target, drafter, prompts, budget, depth, temperature,
                                                               n_trees, rounds_per_prompt, gen):
-            cp = target_coverage(tree.parents, tree.tokens, probs)
-            timed = _time_tree(arms, gens, tree, probs, cache, prefix_len, repeats, warmup,
-                               order_seed=f"{seed}:{budget}:{len(acc.cps)}", isolated=isolated)
-            acc.add(timed, cp, len(tree) - 1)
-        rows += acc.rows(budget=budget, baseline=baseline, depth=depth, temperature=temperature, repeats=repeats,
-                         isolated=isolated)
+            V = probs.shape[-1]
+            for width in [V] + sorted({int(v) for v in vocab_sizes if v < V}):
+                t, p = restrict_vocab(tree, probs, width)
+                acc = accs.setdefault(width, _BudgetTimings(arms))
+                g = gens.setdefault(width, {name: torch.Generator(device=device).manual_seed(seed + 1 + i)
+                                            for i, name in enumerate(arms)})
+                tag = "" if width == V else f":V{width}"
+                timed = _time_tree(arms, g, t, p, cache, prefix_len, repeats, warmup,
+                                   order_seed=f"{seed}:{budget}:{len(acc.cps)}{tag}", isolated=isolated)
+                acc.add(timed, target_coverage(t.parents, t.tokens, p), len(t) - 1)
+        full = max(accs)
+        for width, acc in accs.items():
+            rows += [{"vocab_size": width, "restricted": width < full, **r}
+                     for r in acc.rows(budget=budget, baseline=baseline, depth=depth, temperature=temperature,
+                                       repeats=repeats, isolated=isolated)]
     return rows
 
 
 def _check_latency_args(target, drafter, prompts, arms, baseline, isolated, budgets, depth, temperature, n_trees,
-                        repeats, warmup, rounds_per_prompt) -> None:
+                        repeats, warmup, rounds_per_prompt, vocab_sizes=()) -> None:
     """:func:`verifier_latency`'s argument checks (its ValueErrors), before any forward."""
 
     if baseline not in arms:
@@ -227,6 +286,9 @@ def _check_latency_args(target, drafter, prompts, arms, baseline, isolated, budg
         raise ValueError("need n_trees >= 1, repeats >= 1, warmup >= 0 and rounds_per_prompt >= 1")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    least = 2 * max(budgets) + 1  # a tree of N = B + 1 nodes needs 2 N - 1 columns (restrict_vocab)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < least for v in vocab_sizes):
+        raise ValueError(f"vocab_sizes must be ints >= 2 * max(budgets) + 1 = {least}, got {list(vocab_sizes)}")
     ctx_len = getattr(target.config, "max_position_embeddings", None)
     for p in prompts:
         check_prompt_ids(target, list(p))

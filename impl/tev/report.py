@@ -289,6 +289,27 @@ def _latency_verdicts(lat: pd.DataFrame) -> list[str]:
     return out
 
 
+def _ratio_by_vocab(lat: pd.DataFrame) -> list[str]:
+    """One line on how TEV's latency ratio to predraw moves with the vocabulary, from one model's rows
+    at several widths V' (the benchmark's ``vocab_sizes``: the same realised trees restricted to V'
+    columns): per target budget, the median per-tree ratio to the benchmark's baseline at each V',
+    smallest first. No line without rows at two widths."""
+    need = {"vocab_size", "ratio_median", "baseline", "verifier", "budget"}
+    if not need <= set(lat.columns) or lat["vocab_size"].nunique() < 2:
+        return []
+    tev = lat[(lat.verifier == "tev") & (lat.baseline == "predraw_follow")]
+    widths = sorted(int(v) for v in tev["vocab_size"].unique())
+    parts = []
+    for b, _ in LATENCY_TARGETS:
+        sub = tev[tev.budget == b].set_index("vocab_size")["ratio_median"]
+        if len(sub) == len(widths):
+            parts.append(f"B = {b}: " + " / ".join(f"{float(sub[v]):.2f}" for v in widths))
+    if not parts:
+        return []
+    return [f"- TEV / predraw (median per-tree ratio) on the same trees restricted to V = "
+            f"{' / '.join(f'{v:,}' for v in widths)} columns: " + "; ".join(parts)]
+
+
 def _tau_agreement(lat: pd.DataFrame, z: float = 1.96) -> list[str]:
     """One line per budget: TEV's and predraw's mean tau on the same realised trees agree within
     sampling error (Theorem 1: both attain 1 + C_p(T)); the difference of the means is compared with
@@ -337,9 +358,11 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
                      f"one can fail by chance)")
     if len(lat) and {"verifier", "budget", "median_us"} <= set(lat.columns):
         for m, g in (lat.groupby("model", sort=False) if "model" in lat.columns else [(None, lat)]):
-            head = [] if m is None else [f"- verifier latency on {m}" + (f" (V = {int(g['vocab_size'].iloc[0]):,})"
+            full = g[g.vocab_size == g.vocab_size.max()] if "vocab_size" in g.columns else g
+            head = [] if m is None else [f"- verifier latency on {m}" + (f" (V = {int(full['vocab_size'].iloc[0]):,})"
                                                                         if "vocab_size" in g.columns else "") + ":"]
-            lines += head + [("  " if head else "") + x for x in _latency_verdicts(g) + _tau_agreement(g)]
+            lines += head + [("  " if head else "") + x
+                             for x in _latency_verdicts(full) + _tau_agreement(full) + _ratio_by_vocab(g)]
     lines += _tau_target_lines(arms, curve)
     lines += ["", "tau = tokens committed per target verification round, bonus included, micro average over "
               "rounds; SR = AR wall time / arm wall time in the same run (this CPU).", ""]

@@ -81,6 +81,10 @@ class Latency(Section):
     trees: PosInt = Field(30, description="trees per budget")
     temperature: PosNum = 1.0
     repeats: PosInt = Field(3, description="timed passes per tree")
+    vocab_sizes: list[PosInt] = Field([], description="V' below the target's V at which every verifier is also "
+                                      "timed on the same trees, restricted to V' columns (how the ratio moves with V); "
+                                      "each >= 2 * max(budgets) + 1; values >= V are skipped",
+                                      json_schema_extra={"uniqueItems": True})
 
 
 class TevSection(Section):

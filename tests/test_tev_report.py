@@ -66,7 +66,7 @@ def test_report_tau_target_and_latency_per_model(tmp_path):
     for name, df in tables.items():
         df.to_csv(out / f"{name}.csv", index=False)
     text = "\n".join(report_section(out, tmp_path, tmp_path))
-    assert "tau target on smollm2" in text and "gsm8k 2.10" in text
+    assert "tau target on smollm2" in text and "gsm8k 2.10 (8 tokens)" in text
     smol = next(line for line in text.splitlines() if line.startswith("- tau target on smollm2"))
     assert "**FAIL**" in smol and "reaches 2 at ~25,600 steps" in smol  # one workload of three reached 2.0
     assert "overfits" not in smol  # the held-out loss is flat in this curve

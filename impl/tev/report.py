@@ -184,8 +184,9 @@ def steps_to_reach(curve: pd.DataFrame, tau: float = TAU_TARGET, column: str = "
 
 
 def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame) -> list[str]:
-    """The tau target per model (ExitTrain + TEV, B = 64, T = 0, on at least two workloads); where it
-    fails, what the base drafter's learning curve projects."""
+    """The tau target per model (ExitTrain + TEV, B = 64, T = 0, on at least two workloads), each
+    workload's tau with the generated tokens it averages over; where it fails, what the base drafter's
+    learning curve projects."""
     out = []
     if not len(arms):
         return out
@@ -193,7 +194,9 @@ def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame) -> list[str]:
     for m, g in main.groupby("model", sort=False):
         hit = g[g["tau"] >= TAU_TARGET]
         ok = len(hit) >= TAU_TARGET_WORKLOADS
-        taus = ", ".join(f"{r.suite} {r.tau:.2f}" for r in g.itertuples())
+        # each workload's tau with the tokens it rests on (a short or degenerate output moves it alone)
+        taus = ", ".join(f"{r.suite} {r.tau:.2f}" + (f" ({int(r.tokens)} tokens)" if "tokens" in g else "")
+                         for r in g.itertuples())
         line = (f"- tau target on {m} (ExitTrain + TEV, B = 64, T = 0, >= {TAU_TARGET:g} on at least "
                 f"{TAU_TARGET_WORKLOADS} workloads): {taus}: **{'PASS' if ok else 'FAIL'}**")
         cm = curve[curve["model"] == m] if len(curve) else curve

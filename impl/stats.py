@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 from scipy import stats as _sst
+from statsmodels.stats.multitest import multipletests
 
 __all__ = [
     "PairedResult",
@@ -190,6 +191,35 @@ def paired_difference(
     bb = _as_1d(b, "b")
     _check_lengths(a=aa, b=bb)
     return one_sample(bb - aa, confidence)
+
+
+def holm_reject(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
+    """Holm's step-down test over a family of p-values (family-wise error rate ``alpha``): which
+    hypotheses are rejected. A NaN p-value (no spread to test, e.g. n == 1) is never rejected and
+    does not count towards the family.
+
+    Args:
+        p_values: one two-sided p-value per hypothesis, in [0, 1] or NaN.
+        alpha: family-wise error rate in (0, 1).
+
+    Returns:
+        ``list[bool]`` in input order: True where the hypothesis is rejected.
+
+    Raises:
+        ValueError: ``alpha`` outside (0, 1) or a p-value outside [0, 1].
+
+    Source: Holm (1979), through ``statsmodels.stats.multitest.multipletests(method="holm")``; used
+    where a report checks that every member of a family passes (TEV exit-law calibration).
+    """
+    _check_confidence(1.0 - float(alpha))
+    p = np.asarray(list(p_values), dtype=float)
+    if np.any((p < 0) | (p > 1)):
+        raise ValueError(f"p-values must be in [0, 1] or NaN, got {p.tolist()}")
+    out = np.zeros(p.shape, dtype=bool)
+    ok = ~np.isnan(p)
+    if ok.any():
+        out[ok] = multipletests(p[ok], alpha=alpha, method="holm")[0]
+    return out.tolist()
 
 
 def percent_change(

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from impl.stats import (
+    holm_reject,
     PairedResult,
     difference_in_differences,
     one_sample,
@@ -239,3 +240,16 @@ def test_welch_difference_agrees_only_within_sampling_error():
     assert welch_difference([2.0, 2.0], [2.0, 2.0]).agree and not welch_difference([2.0, 2.0], [3.0, 3.0]).agree
     with pytest.raises(ValueError, match="at least 2 values"):
         welch_difference([1.0], [1.0, 2.0])
+
+
+def test_holm_hand_example():
+    """Holm at 5%: sorted p 0.005 (x4 = 0.02), 0.01 (x3 = 0.03) rejected, 0.03 (x2 = 0.06) stops the
+    step-down, so 0.04 is kept too; NaN is never rejected and not counted in the family."""
+    assert holm_reject([0.01, 0.04, 0.03, 0.005]) == [True, False, False, True]
+    assert holm_reject([float("nan"), 0.03]) == [False, True]  # a family of one: 0.03 < 0.05
+    assert holm_reject([0.03, 0.03]) == [False, False]  # 0.03 x 2 = 0.06
+    assert holm_reject([]) == []
+    with pytest.raises(ValueError, match="p-values"):
+        holm_reject([1.5])
+    with pytest.raises(ValueError, match="confidence"):
+        holm_reject([0.1], alpha=1.0)

@@ -95,3 +95,29 @@ def test_the_tau_line_names_overfitting_when_the_held_out_loss_rises():
     assert "training prompts (sharegpt)" in line  # a summary from before the mixture: ShareGPT alone
     s["prompt_sources"] = {"sharegpt": 320, "gsm8k": 320}
     assert "training prompts (sharegpt 320 + gsm8k 320)" in _tau_target_lines(arms, curve_table([s]))[0]
+
+
+def _calibration_rows(diffs_by_arm):
+    """Per arm, 16 prompts whose tau - (1 + C_p) are the given differences (one round each)."""
+    return pd.DataFrame([{"model": "smollm2", "temperature": 1.0, "arm": arm, "rounds": 1, "expected_tau": 1.5,
+                          "tau_sum": 1.5 + d, "expected_tau_sum": 1.5}
+                         for arm, ds in diffs_by_arm.items() for d in ds])
+
+
+def test_calibration_is_a_familywise_check():
+    """One exact pair outside its own 95% interval (p ~ 0.014) fails the per-pair column but passes
+    Holm's family-wise check over 13 pairs; a real miscalibration (a 0.3-token gap, p ~ 1e-12)
+    fails both; a tiny gap passes whatever its interval."""
+    from impl.tev.report import calibration_table
+
+    noise = [0.1, -0.1] * 8  # mean 0, sd ~ 0.103
+    shifted = [d - 0.072 for d in noise]  # t ~ -2.8 over 16 prompts: p ~ 0.014, x 13 (Holm) > 0.05
+    cal = calibration_table(_calibration_rows({**{f"arm{i}": noise for i in range(12)}, "shifted": shifted}))
+    row = cal.set_index("arm").loc["shifted"]
+    assert row["p_value"] < 0.05 and not row["calibrated_per_pair"] and row["calibrated"]
+    assert cal["calibrated"].all() and cal["calibrated_per_pair"].sum() == 12
+    bad = calibration_table(_calibration_rows({**{f"arm{i}": noise for i in range(12)},
+                                               "broken": [d / 10 + 0.3 for d in noise]}))
+    assert not bad.set_index("arm").loc["broken", "calibrated"] and bad["calibrated"].sum() == 12
+    tiny = calibration_table(_calibration_rows({"tiny": [d / 100 + 0.01 for d in noise]}))
+    assert tiny["p_value"].iloc[0] < 1e-6 and tiny["calibrated"].iloc[0]  # |0.01| < 0.05 tokens

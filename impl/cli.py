@@ -13,6 +13,7 @@ import os
 import logging
 import sys
 from pathlib import Path
+from .provenance import process_git_state
 from .registry import Registry
 from .runtime import config_from_args, load_for, run_provenance, set_threads
 from .schema import core_config, prompt_cap
@@ -702,6 +703,7 @@ def main(argv: list[str] | None = None) -> None:
     from .config import ConfigError
 
     args = build_parser().parse_args(argv)
+    process_git_state()  # the commit of the code this process runs, before the command (provenance)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

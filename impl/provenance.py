@@ -9,6 +9,7 @@ a Snakemake rule.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -49,6 +50,14 @@ def git_state() -> tuple[str, bool]:
     return sha, bool(status)
 
 
+@functools.cache
+def process_git_state() -> tuple[str, bool]:
+    """:func:`git_state` as of this process's first call, then fixed: the commit whose code the
+    process imported. ``python -m impl`` calls it before any command runs, so a commit made while a
+    long job runs (a DAG job can take an hour) does not relabel that job's rows."""
+    return git_state()
+
+
 def config_hash(config: Mapping[str, Any]) -> str:
     """SHA-256 (first 16 hex digits) of the canonical JSON form of a config mapping."""
     blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
@@ -79,7 +88,7 @@ def provenance(
     import torch
     import transformers
 
-    sha, dirty = git_state()
+    sha, dirty = process_git_state()
     return {
         "run_id": run_id or uuid.uuid4().hex[:12],
         "git_sha": sha,

@@ -47,3 +47,18 @@ def test_provenance_fields():
         assert k in prov
     assert prov["config_hash"] == config_hash({"a": 1}) != config_hash({"a": 2})
     json.dumps(prov)
+
+
+def test_git_state_is_fixed_at_the_process_start(monkeypatch):
+    """A commit made while a long job runs does not relabel its rows: the first read is kept."""
+    import impl.provenance as prov
+
+    prov.process_git_state.cache_clear()
+    try:
+        monkeypatch.setattr(prov, "git_state", lambda: ("aaaa", False))
+        assert prov.provenance({})["git_sha"] == "aaaa"
+        monkeypatch.setattr(prov, "git_state", lambda: ("bbbb", True))
+        row = prov.provenance({})
+        assert (row["git_sha"], row["git_dirty"]) == ("aaaa", False)
+    finally:
+        prov.process_git_state.cache_clear()

@@ -268,7 +268,7 @@ def verifier_latency(
 
 
 def _check_latency_args(target, drafter, prompts, arms, baseline, isolated, budgets, depth, temperature, n_trees,
-                        repeats, warmup, rounds_per_prompt, vocab_sizes=()) -> None:
+                        repeats, warmup, rounds_per_prompt, vocab_sizes) -> None:
     """:func:`verifier_latency`'s argument checks (its ValueErrors), before any forward."""
 
     if baseline not in arms:

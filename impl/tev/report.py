@@ -371,15 +371,14 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
     if len(cal):
         ok = bool(cal["calibrated"].all())
         bad = cal.loc[~cal["calibrated"].astype(bool), "arm"].tolist()
-        per = (cal["calibrated_per_pair"].astype(bool) if "calibrated_per_pair" in cal.columns
-               else cal["calibrated"].astype(bool))
+        per = cal["calibrated_per_pair" if "calibrated_per_pair" in cal.columns else "calibrated"].astype(bool)
+        outside = [f"{a} at T = {float(t):g}" for a, t in zip(cal.loc[~per, "arm"], cal.loc[~per, "temperature"])]
         lines.append(f"- exit-law calibration at T > 0 (observed tau vs 1 + C_p per prompt, paired t test per "
                      f"arm-temperature pair; Holm's correction over each model's pairs, family-wise error 5%; a pair "
                      f"also passes when |difference| < {CALIBRATION_TOL} tokens): **{'PASS' if ok else 'FAIL'}** "
                      f"({len(cal) - len(bad)}/{len(cal)} pairs pass{'; failing: ' + ', '.join(bad) if bad else ''}; "
                      f"uncorrected, {int(per.sum())}/{len(cal)} pass their own 95% interval"
-                     + (f", outside it: {', '.join(cal.loc[~per, 'arm'].astype(str) + ' at T = ' + cal.loc[~per, 'temperature'].map('{:g}'.format))}"
-                        if (~per).any() else "") + ")")
+                     f"{', outside it: ' + ', '.join(outside) if outside else ''})")
     if len(lat) and {"verifier", "budget", "median_us"} <= set(lat.columns):
         for m, g in (lat.groupby("model", sort=False) if "model" in lat.columns else [(None, lat)]):
             full = g[g.vocab_size == g.vocab_size.max()] if "vocab_size" in g.columns else g

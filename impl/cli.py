@@ -323,8 +323,17 @@ def cmd_decode(args) -> None:
         params = args.params
     elif args.method not in ("ar", "dex", "dynamic_exit"):  # every other method has required parameters
         usage_error(f"--method {args.method} needs --params (see python -m impl decode --help)")
-    if not Path(args.prompts).is_file():
+    prompts_path = Path(args.prompts)
+    if not prompts_path.exists():
         usage_error(f"--prompts: file not found: {args.prompts}")
+    if prompts_path.is_dir():
+        usage_error(f"--prompts: {args.prompts} is a directory, not a JSONL prompt file")
+    try:
+        prompts = read_prompts(prompts_path)  # before any weights are read: a bad file fails fast
+    except ValueError as e:
+        usage_error(f"--prompts: {e}")
+    if not prompts:
+        usage_error(f"--prompts: {args.prompts} holds no prompt rows")
     if args.method == "dex":  # checked from config.json, before any weights are read
         try:
             params = {"exploration_set": parse_exploration_set(args.exploration_set, args.explorers,
@@ -345,7 +354,7 @@ def cmd_decode(args) -> None:
 
         adapters = load_adapters(args.adapters, model)
     try:
-        rows = decode_prompts(model, tok, read_prompts(args.prompts), args.method, params, rule, args.max_new_tokens,
+        rows = decode_prompts(model, tok, prompts, args.method, params, rule, args.max_new_tokens,
                               eos, progress=not args.quiet, adapters=adapters)
     except (KeyError, TypeError) as e:
         raise SystemExit(f"error: bad --params for {args.method}: {e}") from None
@@ -560,9 +569,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", help="YAML config (e.g. configs/default.yaml)")
     g.add_argument("--config-json", help="validated config as JSON text, or @FILE holding it (used by workflow rules)")
     cfgp.add_argument("--quiet", action="store_true", help="no progress bars")
+    quietp = ArgumentParser(add_help=False)  # commands that read no config: --config would be ignored
+    quietp.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    def add(name, fn, help_):
-        sp = sub.add_parser(name, parents=[cfgp], help=help_, description=help_)
+    def add(name, fn, help_, *, config: bool = True):
+        """A sub-command; ``config=False``: it reads no run config, so it takes no --config/--config-json
+        (argparse then refuses them instead of the command silently ignoring them)."""
+        sp = sub.add_parser(name, parents=[cfgp if config else quietp], help=help_, description=help_)
         sp.set_defaults(fn=fn)
         return sp
 
@@ -619,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--max-new-tokens", type=positive_int, help="override ar_bench.max_new_tokens")
     sp = add("decode", cmd_decode, f"decode a prompt file with one method ({', '.join(METHODS)}); "
-             "each row checked against AR")
+             "each row checked against AR", config=False)
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--method", required=True, choices=list(METHODS))
     sp.add_argument("--params", type=json_object, help="the method's parameters as JSON (every method but ar and dex), e.g. self_spec "
@@ -650,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompts", required=True, help="token-id suite: first dex.n_prompts evaluated, the next "
                     "dex.baselines.tune_prompts used for tuning")
     sp.add_argument("--out", required=True)
-    sp = add("dex-tables", cmd_dex_tables, "DEX tables (Fig. 3/4, Table 1, claims, walltime model) from cell rows")
+    sp = add("dex-tables", cmd_dex_tables, "DEX tables (Fig. 3/4, Table 1, claims, walltime model) from cell rows", config=False)
     sp.add_argument("--cells", nargs="+", required=True, help="dex-cell row files")
     sp.add_argument("--adapters", nargs="*", default=[], help="adapter training summaries")
     sp.add_argument("--distributed", nargs="*", default=[], help="rows of python -m impl.dex.distributed")
@@ -660,11 +673,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--heads", nargs="*", default=[], help="trained-head summaries (tev-train --dex-head)")
     sp.add_argument("--out-dir", required=True)
     sp = add("compare-tables", cmd_compare_tables, "compare two runs' tables (every column but the timings), "
-             "e.g. the smoke run before and after a refactor; exit 1 when one differs")
+             "e.g. the smoke run before and after a refactor; exit 1 when one differs", config=False)
     sp.add_argument("a", help="tables directory of run A (e.g. results/smoke/tables of the old commit)")
     sp.add_argument("b", help="tables directory of run B")
     sp.add_argument("--rtol", type=nonneg_float, default=1e-9, help="relative tolerance of compared floats")
-    sp = add("dex-figures", cmd_dex_figures, "DEX Fig. 3 / Fig. 4 shapes from the DEX tables")
+    sp = add("dex-figures", cmd_dex_figures, "DEX Fig. 3 / Fig. 4 shapes from the DEX tables", config=False)
     sp.add_argument("--tables-dir", required=True)
     sp.add_argument("--out-dir", required=True)
     sp = add("tables", cmd_tables, "EAD / S_X / selection / AR / training tables from raw rows")
@@ -673,10 +686,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--train", nargs="*", default=[], help="training summary JSON files")
     sp.add_argument("--shared", nargs="*", default=[], help="shared-context EAD row files")
     sp.add_argument("--out-dir", required=True)
-    sp = add("figures", cmd_figures, "PNG figures from the tables")
+    sp = add("figures", cmd_figures, "PNG figures from the tables", config=False)
     sp.add_argument("--tables-dir", required=True)
     sp.add_argument("--out-dir", required=True)
-    sp = add("report", cmd_report, "write results/REPORT.md")
+    sp = add("report", cmd_report, "write results/REPORT.md", config=False)
     sp.add_argument("--tables-dir", required=True)
     sp.add_argument("--figures-dir", required=True)
     sp.add_argument("--out", required=True)
@@ -685,7 +698,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="NAME=TABLES_DIR of a method family's report section (repeatable; names in "
                          "impl.report.markdown.REPORT_SECTIONS), e.g. dex=results/tables/dex")
     # method families register their own commands (COMMANDS): register(add), where add(name, fn, help)
-    # returns an argparse subparser that takes --config/--config-json
+    # returns an argparse subparser that takes --config/--config-json (add(..., config=False): a command
+    # that reads no run config and so refuses them)
     for family in COMMANDS:
         COMMANDS[family](add)
     return p

@@ -50,6 +50,38 @@ def test_decode_refuses_bad_numbers_before_loading(capsys, tmp_path, flag, value
     assert f"argument {flag}" in err and repr(value) in err
 
 
+@pytest.mark.parametrize("content, needle", [(None, "is a directory"), ("", "holds no prompt rows"),
+                                              ('{"input_ids": [1]}\n', "missing or non-string 'id'"),
+                                              ("not json\n", "--prompts: ")])
+def test_decode_refuses_bad_prompt_files_before_loading(capsys, tmp_path, content, needle):
+    """An empty, malformed or directory --prompts fails in one line before the (missing) model is read."""
+    prompts = tmp_path / "p.jsonl"
+    if content is None:
+        prompts.mkdir()
+    else:
+        prompts.write_text(content)
+    err = _cli_error(capsys, ["decode", "--model-dir", str(tmp_path / "none"), "--method", "ar", "--prompts",
+                              str(prompts), "--out", str(tmp_path / "o.jsonl")])
+    assert "--prompts" in err and needle in err, err
+
+
+def test_commands_that_read_no_config_refuse_config(capsys, tmp_path):
+    """A command that reads no run config refuses --config rather than ignoring it (decode once took
+    ``--config`` with a bad key and exited 0); the ones that read it still take it."""
+    import argparse
+
+    from impl.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    takes = {name: "--config" in sp._option_string_actions for name, sp in sub.choices.items()}
+    assert not any(takes[c] for c in ("decode", "report", "figures", "tev-tables", "vskipper-tables",
+                                      "vskipper-bench-tables", "vskipper-figures")), takes
+    assert all(takes[c] for c in ("validate-config", "ead", "tev-cell", "serve-cell", "vskipper-bench")), takes
+    err = _cli_error(capsys, ["decode", "--model-dir", "m", "--method", "ar", "--prompts", "p", "--out", "o",
+                              "--config", "configs/default.yaml"])
+    assert "unrecognized arguments: --config" in err
+
+
 @pytest.mark.parametrize("params, needle", [("{gamma: 4}", "argument --params: not valid JSON"),
                                             ("[4]", "argument --params: must be a JSON object"),
                                             (None, "--method pearl needs --params")])

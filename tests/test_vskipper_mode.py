@@ -165,6 +165,9 @@ def test_decode_mode_and_one_promotion_never_reverting():
     assert c.decode_routed("a")(12) and not c.decode_routed("a")(11) and not c.decode_routed("d")(99)
     s = c.summary()
     assert s["promotions"] == 2 and s["decode_routed_requests"] == 3 and s["decode_dense_requests"] == 1
+    for d in (c.prefill_mode, c.decode_mode, c.routed_from, c.promoted):  # what a server does on release
+        d.clear()
+    assert c.summary() == s  # the request counts are since the start, as the row counts are
     # explicit load overrides the batch count
     c2 = ModeController(ModeSwitch(enter_threshold=3))
     assert c2.plan(_decode(["x"]), decode_load=5).routed.all()

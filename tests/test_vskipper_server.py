@@ -577,6 +577,53 @@ def test_switch_arguments_keep_infinite_thresholds(tmp_path):
         server_mod._switch_arg(None, str(tmp_path / "nope.json"))
 
 
+@pytest.mark.parametrize("extra, match", [
+    (["--cb", "bogus_key=1"], "--cb: unknown key 'bogus_key'"),
+    (["--cb", "num_blocks=abc"], "--cb: num_blocks='abc'"),
+    (["--cb", "page_size=2.5"], "--cb: page_size='2.5'"),
+    (["--cb", "num_blocks=0"], "--cb: num_blocks must be >= 1"),
+    (["--cb", "nokv"], "--cb: expected KEY=VALUE"),
+    (["--switch", "notjson"], "--switch: not a JSON object"),
+    (["--switch", "[1, 2]"], "--switch: expected a JSON object"),
+    (["--switch", '{"probe_every": "x"}'], "--switch: "),
+    (["--switch", '{"min_skip_share": 2}'], "--switch: ModeSwitch.min_skip_share"),
+    (["--thresholds", "/nonexistent/t.json"], "--thresholds: thresholds file"),
+    (["--device", "cuda:7"], "--device: 'cuda:7' is not available"),
+    (["--device", "banana"], "--device: "),
+    (["--ready-file", "/nonexistent/dir/port"], "--ready-file: folder /nonexistent/dir does not exist"),
+])
+def test_cli_refuses_bad_arguments_before_loading(model_dir, monkeypatch, capsys, extra, match):
+    """Every bad argument is one ``error:`` line naming it, exit status 2, and no weights are read."""
+    monkeypatch.setattr(server_mod, "serve", lambda *a, **k: pytest.fail("serve() reached with a bad argument"))
+    with pytest.raises(SystemExit) as exit_:
+        server_mod.main(["--model", str(model_dir), "--port", "0", *extra])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and match in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_refuses_a_taken_port_before_loading(model_dir, monkeypatch, capsys):
+    import socket
+
+    monkeypatch.setattr(server_mod, "serve", lambda *a, **k: pytest.fail("serve() reached with a taken port"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            server_mod.main(["--model", str(model_dir), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"--port: cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_cb_overrides_keep_typed_values():
+    got = server_mod.cb_overrides_from_args(["num_blocks=64", "page_size=16", "max_memory_percent=0.5",
+                                             "allow_block_sharing=false", "max_batch_tokens=none"])
+    assert got == {"num_blocks": 64, "page_size": 16, "max_memory_percent": 0.5, "allow_block_sharing": False,
+                   "max_batch_tokens": None}
+    assert server_mod.cb_overrides_from_args([]) == {}
+
+
 def test_cli_prints_port_and_stops_on_sigterm(model_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "impl.vskipper.server", "--model", str(model_dir), "--arm",
@@ -704,3 +751,21 @@ def test_kv_cache_is_sized_from_context_and_concurrency(model_dir):
     assert abs(kv_cache_plan(model, 128, 8, 16, torch.bfloat16)["mib"] - plan["mib"] / 2) <= 0.1
     with pytest.raises(ValueError, match="max_position_embeddings"):
         serve(model_dir, "upstream", None, block=False, max_model_len=4096)
+
+
+def test_hybrid_stats_count_requests_alike_in_both_places(model_dir):
+    """``/v1/vskipper/stats``: the driver's counters and the mode switch's summary count the same requests
+    (the switch's per-request entries are dropped on release; its counts must not be)."""
+    srv = _start(model_dir, "hybrid", switch={"min_prefill_tokens": 2, "min_skip_share": 0.0, "enter_threshold": 1,
+                                              "initial_share": 0.5})
+    try:
+        for n in range(3):
+            code, out = _json(srv.url, {"prompt": [5, 6, 7 + n], "max_tokens": 3, "ignore_eos": True, "model": "tiny"})
+            assert code == 200
+        stats = _get(srv.url, "/v1/vskipper/stats")[1]
+        counters, modes = stats["counters"], stats["mode_switch"]
+        assert counters["prefill_routed_requests"] == modes["prefill_routed_requests"] == 3, (counters, modes)
+        assert counters["decode_routed_requests"] == modes["decode_routed_requests"] == 3
+        assert modes["rows"]["prefill"]["routed"] == 9 and modes["rows"]["prefill"]["dense"] == 0
+    finally:
+        srv.close()

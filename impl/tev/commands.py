@@ -200,7 +200,7 @@ def register(add) -> None:
     sp = add("tev-latency", cmd_tev_latency, "TEV: verifier-stage latency on the same realised trees (Table 3)")
     target_args(sp, "directory written by tev-train; its base/ drafter builds the trees")
     sp.add_argument("--out", required=True, help="output JSONL: one row per (budget, verifier)")
-    sp = add("tev-tables", cmd_tev_tables, "TEV: main, objective, crossed, budget and latency tables")
+    sp = add("tev-tables", cmd_tev_tables, "TEV: main, objective, crossed, budget and latency tables", config=False)
     sp.add_argument("--cells", nargs="+", required=True)
     sp.add_argument("--latency", nargs="*", default=[])
     sp.add_argument("--train", nargs="*", default=[])

@@ -314,7 +314,7 @@ def register(add) -> None:
     sp.add_argument("--d", type=fraction, nargs="+", default=[0.5], help="RandomSkip layer fractions, one per arm")
     sp.add_argument("--steps", type=positive_int, default=2, help="profiled steps per arm")
     sp.add_argument("--out", required=True, help="JSON to write (rows + provenance)")
-    sp = add("vskipper-bench-tables", cmd_vskipper_bench_tables, "tables of the vSkipper step benchmark")
+    sp = add("vskipper-bench-tables", cmd_vskipper_bench_tables, "tables of the vSkipper step benchmark", config=False)
     sp.add_argument("--summaries", nargs="+", required=True, help="vskipper-bench summary JSON files")
     sp.add_argument("--out-dir", required=True, help="tables directory")
     sp = add("vskipper-http-check", cmd_vskipper_http_check,

@@ -163,12 +163,22 @@ class ModeSwitch:
         round-trips through JSON.
 
         Raises:
-            ValueError: for a field the switch does not have (named) or a value out of range.
+            ValueError: for a field the switch does not have, a value of the wrong JSON type (pydantic,
+                strict: ``"8"`` is not an int, ``1`` is not a bool) or out of range, naming the field.
         """
-        unknown = sorted(set(fields) - {f.name for f in dataclass_fields(cls)})
+        from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+        types = {f.name: f.type for f in dataclass_fields(cls)}
+        unknown = sorted(set(fields) - set(types))
         if unknown:
             raise ValueError(f"ModeSwitch has no field {', '.join(map(repr, unknown))}")
-        return cls(**{k: (math.inf if v is None and k in _INF_FIELDS else v) for k, v in fields.items()})
+        values = {k: (math.inf if v is None and k in _INF_FIELDS else v) for k, v in fields.items()}
+        for k, v in values.items():
+            try:
+                TypeAdapter(types[k], config=ConfigDict(strict=True)).validate_python(v)
+            except ValidationError as e:
+                raise ValueError(f"ModeSwitch.{k}: {e.errors()[0]['msg']}, got {v!r}") from None
+        return cls(**values)
 
     @classmethod
     def from_profile(cls, path: str | os.PathLike, **overrides) -> "ModeSwitch":
@@ -244,6 +254,10 @@ class ModeController:
         events: the decisions in order (dicts with ``kind`` in {"admit", "decode_set", "promote",
             "share"}).
         rows: ``{"prefill": [routed, dense], "decode": [routed, dense]}`` row counts.
+        requests: ``{"prefill": [routed, dense], "decode": [routed, dense]}`` request counts since the
+            start (a promoted request moves from dense to routed decode); unlike the per-request dicts,
+            which a server empties as requests are released, these only grow.
+        n_promoted: promotions since the start.
     """
 
     def __init__(self, switch: ModeSwitch | None = None):
@@ -259,6 +273,10 @@ class ModeController:
         self.probes: list[dict] = []
         self.events: list[dict] = []
         self.rows = {"prefill": [0, 0], "decode": [0, 0]}
+        # requests whose mode was set, [routed, dense] per phase, and promotions: cumulative, unlike the
+        # per-request dicts above, which a server empties when a request is released
+        self.requests = {"prefill": [0, 0], "decode": [0, 0]}
+        self.n_promoted = 0
         self._pending: dict | None = None
         self._probe_started = False
 
@@ -343,6 +361,7 @@ class ModeController:
             decision = self._admit(n_prompt, new)
             for r in new:
                 self.prefill_mode[r] = decision
+            self.requests["prefill"][0 if decision else 1] += len(new)
         load = len(first_decode) if decode_load is None else int(decode_load)
         for r in order:
             if r in first_decode:
@@ -391,6 +410,7 @@ class ModeController:
         if rid not in self.decode_mode:
             m = can and (sw.always_route or load >= sw.enter_threshold)
             self.decode_mode[rid] = m
+            self.requests["decode"][0 if m else 1] += 1
             if m:
                 self.routed_from[rid] = tok
             self.events.append({"kind": "decode_set", "batch": self.batches, "request": rid, "routed": m,
@@ -398,6 +418,9 @@ class ModeController:
         elif not self.decode_mode[rid] and can and sw.promote and load >= sw.enter_threshold:
             self.decode_mode[rid] = True
             self.promoted[rid] = self.batches
+            self.requests["decode"][0] += 1
+            self.requests["decode"][1] -= 1
+            self.n_promoted += 1
             self.routed_from[rid] = tok
             self.events.append({"kind": "promote", "batch": self.batches, "request": rid, "load": load,
                                 "token_idx": tok})
@@ -410,19 +433,19 @@ class ModeController:
         return lambda tok: start is not None and tok >= start
 
     def summary(self) -> dict:
-        """JSON-able counts: admitted batches, probes, share estimate, routed / dense requests and rows
-        per phase, promotions, and the switch's configuration."""
+        """JSON-able counts since the start: admitted batches, probes, share estimate, routed / dense
+        requests and rows per phase, promotions, and the switch's configuration."""
         return {
             "switch": self.switch.to_dict(),
             "batches": self.batches,
             "admitted_batches": self.admitted_batches,
             "probes": list(self.probes),
             "share_estimate": self.share,
-            "prefill_routed_requests": sum(self.prefill_mode.values()),
-            "prefill_dense_requests": sum(not v for v in self.prefill_mode.values()),
-            "decode_routed_requests": sum(self.decode_mode.values()),
-            "decode_dense_requests": sum(not v for v in self.decode_mode.values()),
-            "promotions": len(self.promoted),
+            "prefill_routed_requests": self.requests["prefill"][0],
+            "prefill_dense_requests": self.requests["prefill"][1],
+            "decode_routed_requests": self.requests["decode"][0],
+            "decode_dense_requests": self.requests["decode"][1],
+            "promotions": self.n_promoted,
             "rows": {k: {"routed": v[0], "dense": v[1]} for k, v in self.rows.items()},
         }
 

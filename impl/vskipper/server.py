@@ -42,7 +42,8 @@ from .engine import routed_cb_config
 from .mode import ModeSwitch
 from .spec import check_skipper_spec, parse_literal, parse_skipper_spec
 
-__all__ = ["DEFAULT_MAX_MODEL_LEN", "DEFAULT_MAX_NUM_SEQS", "default_threads", "kv_cache_plan", "main", "serve"]
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "DEFAULT_MAX_NUM_SEQS", "cb_overrides_from_args", "default_threads", "kv_cache_plan",
+           "main", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -185,30 +186,138 @@ def serve(model_dir: str | Path, arm: str = "hybrid", skipper_spec: Any = None, 
     return server
 
 
-def _cb_kv(items: Sequence[str]) -> dict:
-    out = {}
+#: ContinuousBatchingConfig fields that count something and must be >= 1 when set
+_CB_POSITIVE = ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_queue_size")
+
+
+def cb_overrides_from_args(items: Sequence[str]) -> dict[str, Any]:
+    """``--cb KEY=VALUE`` items -> :func:`routed_cb_config` overrides, checked before any weights are read.
+
+    Each KEY must be a field of transformers' ``ContinuousBatchingConfig`` and each VALUE (read by
+    :func:`parse_literal`) must have the field's type (pydantic, strict, so ``num_blocks=abc`` or
+    ``page_size=2.5`` are refused); counts (``page_size``, ``num_blocks``, ...) must be >= 1.
+
+    Raises:
+        ValueError: naming ``--cb`` and the offending item, key or value.
+    """
+    import dataclasses
+
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+    from transformers import ContinuousBatchingConfig
+
+    fields = {f.name: f.type for f in dataclasses.fields(ContinuousBatchingConfig)}
+    out: dict[str, Any] = {}
     for it in items or ():
         if "=" not in it:
-            raise SystemExit(f"--cb expects KEY=VALUE, got {it!r}")
-        k, v = it.split("=", 1)
-        out[k.strip()] = parse_literal(v.strip())
+            raise ValueError(f"argument --cb: expected KEY=VALUE, got {it!r}")
+        key, raw = (x.strip() for x in it.split("=", 1))
+        if key not in fields:
+            raise ValueError(f"argument --cb: unknown key {key!r}; ContinuousBatchingConfig fields: "
+                             + ", ".join(sorted(fields)))
+        value = parse_literal(raw)
+        try:
+            value = TypeAdapter(fields[key], config=ConfigDict(strict=True,
+                                                               arbitrary_types_allowed=True)).validate_python(value)
+        except ValidationError as e:
+            first = e.errors()[0]["msg"] if e.errors() else str(e)
+            raise ValueError(f"argument --cb: {key}={raw!r}: {first} (type {fields[key]})") from None
+        except Exception:  # a field whose type pydantic cannot check (compile configs): not a command-line setting
+            raise ValueError(f"argument --cb: {key} cannot be set from the command line") from None
+        if key in _CB_POSITIVE and value is not None and value < 1:
+            raise ValueError(f"argument --cb: {key} must be >= 1, got {raw!r}")
+        out[key] = value
+    routed_cb_config(**out)  # the engine's own constructor accepts the combination
     return out
 
 
 def _switch_arg(switch: str | None, thresholds: str | None) -> ModeSwitch | None:
     """``--switch`` / ``--thresholds`` -> the switch (None: neither given). ``--thresholds``: a profile-mode
     JSON or a bare derive_thresholds() output (:meth:`ModeSwitch.from_profile`); ``--switch``: fields as
-    a JSON object or file (None thresholds: never reached), on top of ``--thresholds`` when both are given."""
+    a JSON object or file (None thresholds: never reached), on top of ``--thresholds`` when both are given.
 
-    sw = ModeSwitch.from_profile(thresholds) if thresholds else None
+    Raises:
+        ValueError: naming ``--thresholds`` or ``--switch`` (unreadable file, not JSON, not an object, an
+            unknown field, a value of the wrong type or out of range).
+    """
+
+    try:
+        sw = ModeSwitch.from_profile(thresholds) if thresholds else None
+    except ValueError as e:
+        raise ValueError(f"argument --thresholds: {e}") from None
     if switch:
-        fields = json.loads(Path(switch).read_text() if Path(switch).is_file() else switch)
+        try:
+            fields = json.loads(Path(switch).read_text() if Path(switch).is_file() else switch)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"argument --switch: not a JSON object or a readable JSON file ({e}): {switch!r}") from None
         if not isinstance(fields, dict):
-            raise ValueError(f"--switch: expected a JSON object of ModeSwitch fields, got {type(fields).__name__}")
+            raise ValueError(f"argument --switch: expected a JSON object of ModeSwitch fields, got {type(fields).__name__}")
         if sw is not None:
             fields = {**sw.to_dict(), **fields}
-        sw = ModeSwitch.from_fields(fields)
+        try:
+            sw = ModeSwitch.from_fields(fields)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"argument --switch: {e}") from None
     return sw
+
+
+def _check_device(name: str) -> str:
+    """``--device`` -> the name, when torch knows it and the device is present here.
+
+    Raises:
+        ValueError: naming ``--device``.
+    """
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"argument --device: {e}") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available()
+                               or (dev.index is not None and dev.index >= torch.cuda.device_count())):
+        raise ValueError(f"argument --device: {name!r} is not available here (this torch sees "
+                         f"{torch.cuda.device_count()} CUDA device(s); torch {torch.__version__})")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"argument --device: {name!r} is not available here")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"argument --device: {name!r}: only cpu, cuda[:N] and mps are supported")
+    return name
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind ``host:port`` once before the model loads, so a taken port fails in seconds, not after the
+    weights are read (port 0 always binds).
+
+    Raises:
+        ValueError: naming ``--host`` / ``--port`` and the OS's reason.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"argument --host: cannot resolve {host!r}: {e}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ValueError(f"argument --port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _check_ready_file(path: str | None) -> None:
+    """``--ready-file``: its folder must exist and be writable (checked before the model loads).
+
+    Raises:
+        ValueError: naming ``--ready-file``.
+    """
+    if path is None:
+        return
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"argument --ready-file: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"argument --ready-file: folder {folder} is not writable")
+    if Path(path).is_dir():
+        raise ValueError(f"argument --ready-file: {path} is a directory")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -244,6 +353,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ready-file", default=None, help="write the bound port to this file once ready")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
+    try:  # every argument checked before any weights are read
+        cb_overrides = cb_overrides_from_args(args.cb)
+        switch = _switch_arg(args.switch, args.thresholds)
+        _check_device(args.device)
+        _check_ready_file(args.ready_file)
+        _check_listen(args.host, args.port)
+    except ValueError as exc:
+        ap.error(str(exc))
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -264,13 +381,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         server = serve(args.model, args.arm, args.skipper, args.host, args.port,
-                       served_model_name=args.served_model_name, switch=_switch_arg(args.switch, args.thresholds),
-                       cb_overrides=_cb_kv(args.cb), dtype=args.dtype, device=args.device,
+                       served_model_name=args.served_model_name, switch=switch,
+                       cb_overrides=cb_overrides, dtype=args.dtype, device=args.device,
                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_logprobs=args.max_logprobs,
                        add_special_tokens=not args.no_special_tokens, request_timeout_s=args.request_timeout_s,
                        threads=args.threads, block=True, grace_s=args.grace_s, on_ready=ready)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # a missing model directory, a bad spec, a port taken since the check
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if server.engine.error is not None:

@@ -1008,7 +1008,7 @@ def register(add) -> None:
     sp.add_argument("--summary", required=True, help="summary JSON to write")
 
     sp = add("vskipper-tables", cmd_vskipper_tables,
-             "vSkipper tables from the raw rows (Tables 2-4, ablation, Fig. 3 data)")
+             "vSkipper tables from the raw rows (Tables 2-4, ablation, Fig. 3 data)", config=False)
     sp.add_argument("--knee", nargs="*", default=[], help="knee JSON files")
     sp.add_argument("--thresholds", nargs="*", default=[], help="profile-mode JSON files")
     sp.add_argument("--flexidepth", nargs="*", default=[], help="FlexiDepth training summaries")
@@ -1022,7 +1022,7 @@ def register(add) -> None:
     sp.add_argument("--out-dir", required=True)
 
     sp = add("vskipper-transfer-tables", cmd_vskipper_transfer_tables,
-             "vSkipper Table 6 (cross-model) / Table 7 (hardware transfer) shapes from the raw rows (Sec. 4.4)")
+             "vSkipper Table 6 (cross-model) / Table 7 (hardware transfer) shapes from the raw rows (Sec. 4.4)", config=False)
     spec = ("KEY=VALUE words: name=, role=main|extra, knee= (knee JSON), cell= (serve-cell JSONL at the point), "
             "thresholds= (profile-mode JSON)")
     sp.add_argument("--model", nargs="+", action="append", metavar="KEY=VALUE",
@@ -1033,11 +1033,11 @@ def register(add) -> None:
     sp.add_argument("--out-dir", required=True)
 
     sp = add("vskipper-engine-tables", cmd_vskipper_engine_tables,
-             "vSkipper tables of several engines side by side (knee, Table 2 shape, matched-work gate)")
+             "vSkipper tables of several engines side by side (knee, Table 2 shape, matched-work gate)", config=False)
     sp.add_argument("--engine", action="append", required=True, metavar="LABEL=TABLES_DIR",
                     help="one engine's vskipper-tables folder (repeat; the main engine first)")
     sp.add_argument("--out-dir", required=True)
 
-    sp = add("vskipper-figures", cmd_vskipper_figures, "vSkipper figures (Fig. 3 map, knee sweeps) from the tables")
+    sp = add("vskipper-figures", cmd_vskipper_figures, "vSkipper figures (Fig. 3 map, knee sweeps) from the tables", config=False)
     sp.add_argument("--tables-dir", required=True)
     sp.add_argument("--out-dir", required=True)

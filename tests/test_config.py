@@ -156,3 +156,13 @@ def test_tokenize_command_applies_the_suite_cap(cfg, tmp_path, tiny_tokenizer):
         lens[s] = len(json.loads((tmp_path / f"{s}.tok.jsonl").read_text())["input_ids"])
     assert lens[suites[0]] == 8
     assert 8 < lens[suites[1]] <= cfg.get("max_prompt_tokens", 512)
+
+
+def test_tev_target_prompts_fit_the_frozen_suites(cfg):
+    cfg["tev"]["target_prompts"] = cfg["workloads"]["gsm8k"]["n_prompts"] + 1
+    msg = _err(cfg)
+    assert "'tev.target_prompts'" in msg and "'workloads.gsm8k.n_prompts'" in msg
+    cfg["tev"]["target_prompts"] = 0
+    assert "target_prompts" in _err(cfg)
+    cfg["tev"]["target_prompts"] = None
+    assert validate_config(cfg)["tev"]["target_prompts"] is None

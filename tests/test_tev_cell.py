@@ -72,3 +72,16 @@ def test_cell_needs_ar_and_drafters(tiny_model):
     with pytest.raises(ValueError, match="need drafters"):
         run_tev_cell(tiny_model, {}, [], [TEVArm("ar"), TEVArm("x", "base", "tev")], depth=2, max_new_tokens=2,
                      eos=None, seed=0)
+
+
+def test_target_arms_are_the_full_cells_configurations():
+    from impl.tev.cell import TARGET_ARMS, target_arms, tev_arms
+
+    got = target_arms(64, ("base", "token", "exit"))
+    assert tuple(a.name for a in got) == TARGET_ARMS and all(a.tables == ("target",) for a in got)
+    full = {a.name: a for a in tev_arms(64, (32,), ("base", "token", "exit"))}
+    for a in got:
+        f = full[a.name]
+        assert (a.drafter, a.verifier, a.tree_mode, a.budget) == (f.drafter, f.verifier, f.tree_mode, f.budget)
+    with pytest.raises(ValueError, match="base and exit drafters"):
+        target_arms(64, ("base",))

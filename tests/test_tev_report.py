@@ -121,3 +121,48 @@ def test_calibration_is_a_familywise_check():
     assert not bad.set_index("arm").loc["broken", "calibrated"] and bad["calibrated"].sum() == 12
     tiny = calibration_table(_calibration_rows({"tiny": [d / 100 + 0.01 for d in noise]}))
     assert tiny["p_value"].iloc[0] < 1e-6 and tiny["calibrated"].iloc[0]  # |0.01| < 0.05 tokens
+
+
+def _target_rows(model, suite, per_prompt):
+    """Tau-target cell rows: for each prompt, AR, DDTree and ExitTrain + TEV with the given taus."""
+    rows = []
+    for i, (t_dd, t_ex) in enumerate(per_prompt):
+        for arm, t in (("ar", 1.0), ("ddtree", t_dd), ("exittrain+tev", t_ex)):
+            rows.append({"model": model, "suite": suite, "arm": arm, "temperature": 0.0, "budget": 0 if arm == "ar" else 64,
+                         "tables": ["target"], "prompt_id": f"p{i}", "n_new_tokens": 12, "rounds": 4,
+                         "taus": [t] * 4, "seconds": 1.0, "ar_match": True,
+                         **({"coverages": [t - 1] * 4} if arm != "ar" else {})})
+    return rows
+
+
+def test_the_tau_target_cell_reads_more_prompts_with_intervals(tmp_path):
+    """With the tau-target cell the line reads it (prompts, tokens, per-prompt interval) instead of the
+    full cells; the rule is still the micro tau on two workloads."""
+    full = _arm_rows("smollm2", {"gsm8k": 1.5, "math500": 1.5})  # the full cells' few prompts: FAIL alone
+    target = (_target_rows("smollm2", "gsm8k", [(1.6, 2.4), (1.7, 2.6), (1.5, 2.5)])
+              + _target_rows("smollm2", "math500", [(1.5, 1.8), (1.8, 2.6), (1.6, 2.2)])
+              + _target_rows("smollm2", "humaneval", [(1.2, 1.4), (1.3, 1.5), (1.1, 1.3)]))
+    tables = tev_tables(full, [], [], target)
+    t = tables["tev_target"].set_index(["suite", "arm"])
+    assert t.at[("gsm8k", "exittrain+tev"), "n_prompts"] == 3 and t.at[("gsm8k", "exittrain+tev"), "tokens"] == 36
+    assert t.at[("gsm8k", "exittrain+tev"), "tau"] == pytest.approx(2.5)
+    assert t.at[("gsm8k", "exittrain+tev"), "ci_low"] < 2.5 < t.at[("gsm8k", "exittrain+tev"), "ci_high"]
+    assert t.at[("gsm8k", "exittrain+tev"), "diff_vs_ddtree"] == pytest.approx(0.9)
+    assert math.isnan(t.at[("gsm8k", "ddtree"), "diff_vs_ddtree"])
+    for name, df in tables.items():
+        df.to_csv(tmp_path / f"{name}.csv", index=False)
+    text = "\n".join(report_section(tmp_path, tmp_path, tmp_path))
+    line = next(x for x in text.splitlines() if x.startswith("- tau target on smollm2"))
+    assert "**PASS**" in line and "gsm8k 2.50 (3 prompts, 36 tokens; per-prompt mean 2.50 [" in line
+    assert "lies at or above 2 on 1 of 3 workloads" in line  # gsm8k's interval clears 2.0; math500's does not
+    assert "- tau-target cell equals AR token for token: **PASS** (9 arm-cells)" in text
+    # without the target cell the line reads the full cells, as before
+    assert "**FAIL**" in next(x for x in report_section_of(tev_tables(full, [], []), tmp_path / "full")
+                              if x.startswith("- tau target on smollm2"))
+
+
+def report_section_of(tables, d):
+    d.mkdir()
+    for name, df in tables.items():
+        df.to_csv(d / f"{name}.csv", index=False)
+    return report_section(d, d, d)

@@ -5,7 +5,10 @@ TEV = CFG.get("tev")
 if TEV:
     TEV_CELLS = expand(f"{RESULTS}/tev/{{model}}/{{suite}}.jsonl", model=TEV["models"], suite=TEV["workloads"])
     TEV_TABLE_NAMES = ["tev_arms", "tev_main", "tev_objective", "tev_crossed", "tev_budget", "tev_claims",
-                       "tev_calibration", "tev_latency", "tev_training", "tev_curve"]
+                       "tev_calibration", "tev_latency", "tev_training", "tev_curve", "tev_target"]
+    # the tau-target cell (tev.target_prompts): AR, DDTree and ExitTrain + TEV at T = 0 on more prompts
+    TEV_TARGET_CELLS = expand(f"{RESULTS}/tev/target/{{model}}/{{suite}}.jsonl", model=TEV["models"],
+                              suite=TEV["workloads"]) if TEV.get("target_prompts") else []
 
     rule tev_train:
         conda:
@@ -50,6 +53,26 @@ if TEV:
             "python -m impl tev-cell --config-json @{params.cfg} --quiet --model {wildcards.model} "
             "--model-dir {input.model} --drafters {input.drafters} --prompts {input.prompts} --out {output} 2> {log}"
 
+    rule tev_target_cell:
+        conda:
+            "../env.yaml"
+        input:
+            prompts=f"{RESULTS}/workloads/{{model}}/{{suite}}.jsonl",
+            model=model_path,
+            drafters=f"{MODELS}/tev/{{model}}",
+        output:
+            f"{RESULTS}/tev/target/{{model}}/{{suite}}.jsonl",
+        params:
+            cfg=EFFECTIVE_CONFIG,
+            sig=sig("seed", "threads", "device", "dtype",
+                    tev={k: TEV.get(k) for k in ("target_prompts", "max_new_tokens", "stop_at_eos", "budget", "depth")}),
+        threads: CFG["threads"]
+        log:
+            f"{LOGS}/tev/target/{{model}}/{{suite}}.log",
+        shell:
+            "python -m impl tev-cell --target --config-json @{params.cfg} --quiet --model {wildcards.model} "
+            "--model-dir {input.model} --drafters {input.drafters} --prompts {input.prompts} --out {output} 2> {log}"
+
     rule tev_latency:
         conda:
             "../env.yaml"
@@ -76,6 +99,7 @@ if TEV:
             cells=TEV_CELLS,
             latency=expand(f"{RESULTS}/tev/latency/{{model}}.jsonl", model=TEV["models"]),
             train=expand(f"{RESULTS}/tev/train/{{model}}.json", model=TEV["models"]),
+            target=TEV_TARGET_CELLS,
         output:
             expand(f"{RESULTS}/tables/tev/{{name}}.{{ext}}", name=TEV_TABLE_NAMES, ext=["csv", "md"]),
         params:
@@ -84,5 +108,5 @@ if TEV:
             f"{LOGS}/tev/tables.log",
         shell:
             "python -m impl tev-tables --cells {input.cells} --latency {input.latency} --train {input.train} "
-            "--out-dir {params.out} 2> {log}"
+            "--target-cells {input.target} --out-dir {params.out} 2> {log}"
 

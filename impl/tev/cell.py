@@ -14,6 +14,9 @@ Arms (TEV Sec. 6, App. D), each at every configured temperature T:
 - crossed drafter x verifier grid (Table 4): {base, exit} drafter x {predraw, tev} verifier;
 - budget robustness (Table 5): ``ddtree`` and ``exittrain+tev`` at each extra budget.
 
+The tau-target cell (``tev.target_prompts``, :func:`target_arms`) runs only ``ar``, ``ddtree`` and
+``exittrain+tev`` at T = 0, on more prompts than the full cell can afford on a CPU.
+
 Arms run prompt-major (for each prompt, every arm in turn) so speed ratios compare arms in the same
 run. Every row checks itself: at T = 0 the token ids equal AR's (``ar_match``); at T > 0 the exit-law
 calibration is recorded (observed mean tau vs mean 1 + C_p over the row's rounds, TEV Eq. 11).
@@ -84,6 +87,24 @@ def tev_arms(budget: int, extra_budgets=(), drafters=("base", "token", "prefix",
         if "exit" in have:
             arms.append(TEVArm(f"exittrain+tev@B{b}", "exit", "tev", "best_first", b, ("budget",)))
     return arms
+
+
+#: the arms of the tau-target cell (``tev.target_prompts``): the reference, the base drafter's tree and the
+#: headline method
+TARGET_ARMS = ("ar", "ddtree", "exittrain+tev")
+
+
+def target_arms(budget: int, drafters=("base", "exit")) -> list[TEVArm]:
+    """The tau-target cell's arms (:data:`TARGET_ARMS` at budget B, feeding the ``target`` table): the
+    same configurations as the full cell's arms of those names.
+
+    Raises:
+        ValueError: ``drafters`` lacks ``base`` or ``exit``.
+    """
+    if not {"base", "exit"} <= set(drafters):
+        raise ValueError(f"the tau-target cell needs the base and exit drafters, got {sorted(drafters)}")
+    return [TEVArm(a.name, a.drafter, a.verifier, a.tree_mode, a.budget, ("target",))
+            for a in tev_arms(budget, (), drafters) if a.name in TARGET_ARMS]
 
 
 def run_tev_cell(target, drafters: dict[str, Any], prompts: list[dict], arms: list[TEVArm], *,
@@ -164,4 +185,4 @@ def _run(target, drafters, a: TEVArm, ids, n, T, eos, depth, seed) -> dict:
     return out
 
 
-__all__ = ["TEVArm", "tev_arms", "run_tev_cell"]
+__all__ = ["TARGET_ARMS", "TEVArm", "run_tev_cell", "target_arms", "tev_arms"]

@@ -109,7 +109,7 @@ def cmd_tev_cell(args) -> None:
 
     from ..runtime import config_from_args, load_for, run_provenance, set_threads
     from ..provenance import write_jsonl
-    from .cell import run_tev_cell, tev_arms
+    from .cell import run_tev_cell, target_arms, tev_arms
     from .drafter import BlockDrafter
 
     cfg = config_from_args(args)
@@ -120,15 +120,20 @@ def cmd_tev_cell(args) -> None:
     drafters = {k: BlockDrafter.load(root / k, target) for k in DRAFTER_KEYS if (root / k).is_dir()}
     if "base" not in drafters:
         raise FileNotFoundError(f"no base drafter under {root} (built by the tev_train rule / python -m impl tev-train)")
-    prompts = [p for p in read_prompts(args.prompts) if p.get("input_ids")][: t.n_prompts]
-    arms = tev_arms(t.budget, t.budgets, tuple(drafters))
+    if args.target:  # the tau-target cell: three arms at T = 0 on tev.target_prompts prompts
+        if t.target_prompts is None:
+            raise ValueError("tev-cell --target: the config's tev.target_prompts is null (the target cell is off)")
+        n, arms, temperatures = t.target_prompts, target_arms(t.budget, tuple(drafters)), [0.0]
+    else:
+        n, arms, temperatures = t.n_prompts, tev_arms(t.budget, t.budgets, tuple(drafters)), t.temperatures
+    prompts = [p for p in read_prompts(args.prompts) if p.get("input_ids")][:n]
     eos = target.config.eos_token_id if t.stop_at_eos else None
-    rows = run_tev_cell(target, drafters, prompts, arms, temperatures=t.temperatures, depth=t.depth,
+    rows = run_tev_cell(target, drafters, prompts, arms, temperatures=temperatures, depth=t.depth,
                         max_new_tokens=t.max_new_tokens, eos=eos, seed=core_config(cfg).seed,
                         progress=not args.quiet)
     prov = run_provenance(cfg)
     for r in rows:
-        r.update(model=args.model, batch_size=1, **prov)
+        r.update(model=args.model, batch_size=1, cell="target" if args.target else "full", **prov)
     write_jsonl(args.out, rows)
     bad = sorted({r["arm"] for r in rows if r.get("ar_match") is False})
     log.info("%s: %d rows; T=0 arms differing from AR: %s", args.out, len(rows), bad or "none")
@@ -174,7 +179,8 @@ def cmd_tev_tables(args) -> None:
     rows = [r for f in args.cells for r in read_jsonl(f)]
     latency = [r for f in args.latency for r in read_jsonl(f)]
     summaries = [json.loads(Path(f).read_text()) for f in args.train]
-    for name, df in tev_tables(rows, latency, summaries).items():
+    target = [r for f in args.target_cells for r in read_jsonl(f)]
+    for name, df in tev_tables(rows, latency, summaries, target).items():
         write_table(df, Path(args.out_dir) / name)
 
 
@@ -197,6 +203,8 @@ def register(add) -> None:
     sp = add("tev-cell", cmd_tev_cell, "TEV: every decoding arm on one (model, workload), checked against AR")
     target_args(sp, "directory written by tev-train")
     sp.add_argument("--out", required=True)
+    sp.add_argument("--target", action="store_true",
+                    help="the tau-target cell: AR, DDTree and ExitTrain + TEV at T = 0 on tev.target_prompts prompts")
     sp = add("tev-latency", cmd_tev_latency, "TEV: verifier-stage latency on the same realised trees (Table 3)")
     target_args(sp, "directory written by tev-train; its base/ drafter builds the trees")
     sp.add_argument("--out", required=True, help="output JSONL: one row per (budget, verifier)")
@@ -204,4 +212,5 @@ def register(add) -> None:
     sp.add_argument("--cells", nargs="+", required=True)
     sp.add_argument("--latency", nargs="*", default=[])
     sp.add_argument("--train", nargs="*", default=[])
+    sp.add_argument("--target-cells", nargs="*", default=[], help="rows of tev-cell --target (the tau-target cell)")
     sp.add_argument("--out-dir", required=True)

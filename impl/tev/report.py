@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..stats import holm_reject, paired_difference
+from ..stats import holm_reject, one_sample, paired_difference
 
 _PROV = {"run_id", "git_sha", "git_dirty", "config_hash", "seed", "device", "dtype", "torch_version",
          "transformers_version", "python_version", "host"}
@@ -200,20 +200,57 @@ def steps_to_reach(curve: pd.DataFrame, tau: float = TAU_TARGET, column: str = "
             "last_step": last_step, "last_tau": last_tau}
 
 
-def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame) -> list[str]:
+def target_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The tau-target cell (``tev.target_prompts``) per (model, suite, arm) at T = 0: the arms table's
+    micro tau, tokens and AR check, plus the per-prompt mean tau with its t-based 95% interval over
+    prompts (``tau_prompt_mean``, ``ci_low``, ``ci_high``) and, for the tree arms, the paired
+    difference to DDTree (``diff_vs_ddtree`` with ``diff_ci_low`` / ``diff_ci_high``)."""
+    if not len(df):
+        return pd.DataFrame()
+    arms = arms_table(df)
+    extra = []
+    for r in arms.itertuples():
+        cell = df[(df.model == r.model) & (df.suite == r.suite) & (df.temperature == r.temperature)]
+        per = _per_prompt_tau(cell, r.arm)
+        one = one_sample(per.to_numpy()) if len(per) >= 2 else None
+        row = {"tau_prompt_mean": float(per.mean()) if len(per) else np.nan,
+               "ci_low": one.ci_low if one else np.nan, "ci_high": one.ci_high if one else np.nan}
+        base = _per_prompt_tau(cell, "ddtree")
+        common = per.index.intersection(base.index)
+        if r.arm not in ("ar", "ddtree") and len(common) >= 2:
+            d = paired_difference(base[common].to_numpy(), per[common].to_numpy())
+            row.update(diff_vs_ddtree=d.mean, diff_ci_low=d.ci_low, diff_ci_high=d.ci_high)
+        extra.append(row)
+    return pd.concat([arms.drop(columns=["tables"]), pd.DataFrame(extra)], axis=1)
+
+
+def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame, target: pd.DataFrame | None = None) -> list[str]:
     """The tau target per model (ExitTrain + TEV, B = 64, T = 0, on at least two workloads), each
     workload's tau with the generated tokens it averages over; where it fails, what the base drafter's
-    learning curve projects."""
+    learning curve projects.
+
+    With the tau-target cell's table (``target``, :func:`target_table`) the line reads it instead of the
+    full cells (more prompts) and adds each workload's per-prompt 95% interval and how many workloads
+    have the interval's lower end at or above the target."""
     out = []
-    if not len(arms):
+    use_target = target is not None and len(target) > 0
+    src = target if use_target else arms
+    if not len(src):
         return out
-    main = arms[(arms.arm == "exittrain+tev") & (arms.temperature == 0) & (arms.budget == 64)]
+    main = src[(src.arm == "exittrain+tev") & (src.temperature == 0) & (src.budget == 64)]
     for m, g in main.groupby("model", sort=False):
         hit = g[g["tau"] >= TAU_TARGET]
         ok = len(hit) >= TAU_TARGET_WORKLOADS
         # each workload's tau with the tokens it rests on (a short or degenerate output moves it alone)
-        taus = ", ".join(f"{r.suite} {r.tau:.2f}" + (f" ({int(r.tokens)} tokens)" if "tokens" in g else "")
-                         for r in g.itertuples())
+        if use_target:
+            taus = ", ".join(f"{r.suite} {r.tau:.2f} ({int(r.n_prompts)} prompts, {int(r.tokens)} tokens; per-prompt "
+                             f"mean {r.tau_prompt_mean:.2f} [{r.ci_low:.2f}, {r.ci_high:.2f}])" for r in g.itertuples())
+            above = int((g["ci_low"] >= TAU_TARGET).sum())
+            taus += (f"; the per-prompt interval lies at or above {TAU_TARGET:g} on {above} of {len(g)} workloads "
+                     f"(the tau-target cell, tev.target_prompts)")
+        else:
+            taus = ", ".join(f"{r.suite} {r.tau:.2f}" + (f" ({int(r.tokens)} tokens)" if "tokens" in g else "")
+                             for r in g.itertuples())
         line = (f"- tau target on {m} (ExitTrain + TEV, B = 64, T = 0, >= {TAU_TARGET:g} on at least "
                 f"{TAU_TARGET_WORKLOADS} workloads): {taus}: **{'PASS' if ok else 'FAIL'}**")
         cm = curve[curve["model"] == m] if len(curve) else curve
@@ -261,8 +298,9 @@ def _overfit_note(curve: pd.DataFrame, tol: float = 0.02) -> str:
             "(tev.drafter.prompts) is a lever beside steps, and the projection in steps alone is optimistic")
 
 
-def tev_tables(rows: list[dict], latency: list[dict], summaries: list[dict]) -> dict[str, pd.DataFrame]:
-    """All TEV tables from raw rows."""
+def tev_tables(rows: list[dict], latency: list[dict], summaries: list[dict],
+               target: list[dict] = ()) -> dict[str, pd.DataFrame]:
+    """All TEV tables from raw rows (``target``: the tau-target cell's rows, ``tev-cell --target``)."""
     df = _frame(rows)
     arms = arms_table(df)
     pick = lambda t: arms[arms["tables"].str.contains(t) | (arms.arm == "ar")].reset_index(drop=True)  # noqa: E731
@@ -271,7 +309,8 @@ def tev_tables(rows: list[dict], latency: list[dict], summaries: list[dict]) -> 
     return {"tev_arms": arms, "tev_main": pick("main"), "tev_objective": pick("objective"),
             "tev_crossed": pick("crossed")[lambda d: d.temperature > 0] if len(arms) else arms,
             "tev_budget": pick("budget"), "tev_claims": claims_table(df), "tev_calibration": calibration_table(df),
-            "tev_latency": lat, "tev_training": training_table(summaries), "tev_curve": curve_table(summaries)}
+            "tev_latency": lat, "tev_training": training_table(summaries), "tev_curve": curve_table(summaries),
+            "tev_target": target_table(_frame(list(target)))}
 
 
 #: Table 3 targets: TEV's verifier-stage latency over predraw's at these budgets
@@ -362,7 +401,7 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
 
     md = lambda d: d.to_markdown(index=False, floatfmt=".3f")  # noqa: E731
     arms, claims, cal, lat = read("tev_arms"), read("tev_claims"), read("tev_calibration"), read("tev_latency")
-    curve = read("tev_curve")
+    curve, target = read("tev_curve"), read("tev_target")
     lines = ["## TEV / ExitTrain: exact tree verification and exit-guided drafter training (Tables 1-5 shapes)", ""]
     if len(arms):
         g = arms[arms.temperature == 0]
@@ -386,7 +425,10 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
                                                                         if "vocab_size" in g.columns else "") + ":"]
             lines += head + [("  " if head else "") + x
                              for x in _latency_verdicts(full) + _tau_agreement(full) + _ratio_by_vocab(g)]
-    lines += _tau_target_lines(arms, curve)
+    if len(target):
+        ok = bool(target["ar_match_all"].astype(str).str.lower().eq("true").all())
+        lines.append(f"- tau-target cell equals AR token for token: **{'PASS' if ok else 'FAIL'}** ({len(target)} arm-cells)")
+    lines += _tau_target_lines(arms, curve, target)
     lines += ["", "tau = tokens committed per target verification round, bonus included, micro average over "
               "rounds; SR = AR wall time / arm wall time in the same run (this CPU).", ""]
     for name, cap in (("tev_main", "Main table (Table 1 shape)"), ("tev_objective", "Objective ablation (Table 2 shape)"),
@@ -394,7 +436,8 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
                       ("tev_budget", "Budget robustness (Table 5 shape)"),
                       ("tev_latency", "Verifier-stage latency, same realised trees (Table 3 shape)"),
                       ("tev_training", "Drafter training (wall time on this CPU)"),
-                      ("tev_curve", "Base drafter learning curve (held-out)")):
+                      ("tev_curve", "Base drafter learning curve (held-out)"),
+                      ("tev_target", "Tau-target cell (T = 0, more prompts; per-prompt 95% intervals)")):
         t = read(name)
         if len(t):
             lines += [f"### {cap}", "", md(t.drop(columns=["tables"], errors="ignore")), ""]
@@ -412,4 +455,4 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
 
 
 __all__ = ["tev_tables", "arms_table", "claims_table", "calibration_table", "training_table", "curve_table",
-           "prompt_sources", "steps_to_reach", "report_section"]
+           "prompt_sources", "steps_to_reach", "target_table", "report_section"]

@@ -99,6 +99,10 @@ class TevSection(Section):
     budget: PosInt = Field(64, description="B of the main cells")
     budgets: list[PosInt] = Field([32, 64, 128], description="budget robustness (Table 5)")
     depth: PosInt = Field(8, description="maximum tree depth")
+    target_prompts: PosInt | None = Field(
+        None, description="the tau-target cell: AR, DDTree and ExitTrain + TEV at B = tev.budget, T = 0 on the first "
+                          "target_prompts prompts of each workload (more prompts than the full cells, few arms), "
+                          "which the report's tau-target line then reads; null: off (the line reads the full cells)")
     drafter: Drafter = Field(default_factory=Drafter)
     exittrain: ExitTrain = Field(default_factory=ExitTrain)
     latency: Latency = Field(default_factory=Latency)
@@ -135,6 +139,11 @@ def check(cfg: dict[str, Any]) -> None:
     if t["depth"] > t["drafter"]["block_size"]:
         raise ConfigError(f"config: 'tev.depth' = {t['depth']} exceeds 'tev.drafter.block_size' = "
                           f"{t['drafter']['block_size']} (a tree is at most one drafted block deep)")
+    for w in t["workloads"] if t.get("target_prompts") else ():
+        have = cfg["workloads"][w]["n_prompts"]
+        if t["target_prompts"] > have:
+            raise ConfigError(f"config: 'tev.target_prompts' = {t['target_prompts']} exceeds 'workloads.{w}.n_prompts' "
+                              f"= {have} (the target cell reads the first prompts of the frozen suite)")
     need = cfg["max_prompt_tokens"] + t["max_new_tokens"]
     if any(cfg["models"][m]["kind"] == "tiny" for m in t["models"]) and need > cfg["tiny_arch"]["max_position_embeddings"]:
         raise ConfigError("config: 'max_prompt_tokens' + 'tev.max_new_tokens' exceeds 'tiny_arch.max_position_embeddings'")

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 from transformers import DynamicCache
 
 from .engine import bind_skipper, generate_greedy, unbind_skipper
@@ -166,8 +167,6 @@ class ModeSwitch:
             ValueError: for a field the switch does not have, a value of the wrong JSON type (pydantic,
                 strict: ``"8"`` is not an int, ``1`` is not a bool) or out of range, naming the field.
         """
-        from pydantic import ConfigDict, TypeAdapter, ValidationError
-
         types = {f.name: f.type for f in dataclass_fields(cls)}
         unknown = sorted(set(fields) - set(types))
         if unknown:

@@ -21,17 +21,21 @@ made 8 requests of 32 tokens take 79 s instead of 0.7 s.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+from transformers import ContinuousBatchingConfig
 
 from impl.models.load import load_model, load_tokenizer, model_num_layers
 
@@ -200,11 +204,6 @@ def cb_overrides_from_args(items: Sequence[str]) -> dict[str, Any]:
     Raises:
         ValueError: naming ``--cb`` and the offending item, key or value.
     """
-    import dataclasses
-
-    from pydantic import ConfigDict, TypeAdapter, ValidationError
-    from transformers import ContinuousBatchingConfig
-
     fields = {f.name: f.type for f in dataclasses.fields(ContinuousBatchingConfig)}
     out: dict[str, Any] = {}
     for it in items or ():
@@ -288,8 +287,6 @@ def _check_listen(host: str, port: int) -> None:
     Raises:
         ValueError: naming ``--host`` / ``--port`` and the OS's reason.
     """
-    import socket
-
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:

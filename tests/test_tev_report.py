@@ -91,7 +91,7 @@ def test_the_tau_line_names_overfitting_when_the_held_out_loss_rises():
     arms = pd.concat([arms, arms.assign(arm="ddtree", tau=1.7)])
     line = _tau_target_lines(arms, curve_table([s]))[0]
     assert "**FAIL**" in line and "lowest at step 200 (6.70)" in line and "rose to 7.50 by step 800" in line
-    assert "DDTree tau averages 1.70 on these workloads against 1.50 there" in line
+    assert "DDTree tau at T = 0 averages 1.70 on these workloads against 1.50 there" in line
     assert "training prompts (sharegpt)" in line  # a summary from before the mixture: ShareGPT alone
     s["prompt_sources"] = {"sharegpt": 320, "gsm8k": 320}
     assert "training prompts (sharegpt 320 + gsm8k 320)" in _tau_target_lines(arms, curve_table([s]))[0]
@@ -155,6 +155,13 @@ def test_the_tau_target_cell_reads_more_prompts_with_intervals(tmp_path):
     line = next(x for x in text.splitlines() if x.startswith("- tau target on smollm2"))
     assert "**PASS**" in line and "gsm8k 2.50 (3 prompts, 36 tokens; per-prompt mean 2.50 [" in line
     assert "lies at or above 2 on 1 of 3 workloads" in line  # gsm8k's interval clears 2.0; math500's does not
+    assert "**PASS** by the micro tau, **not resolved**: 1 workload(s) clear 2 at 95%, 2 needed" in line
+    # a curve already above the target says that steps are not what is missing
+    curve = curve_table([_summary(curve=((0, 1.0), (100, 2.2), (200, 2.4)))])
+    from impl.tev.report import _tau_target_lines
+    line = _tau_target_lines(tables["tev_arms"], curve, tables["tev_target"])[0]
+    assert "is already 2.40 after 200 steps (first >= 2 at 100 steps): steps are not what the workloads lack" in line
+    assert "DDTree tau at T = 0 averages 1.48 on these workloads" in line  # the target cell's DDTree: (1.6 + 1.63 + 1.2) / 3
     assert "- tau-target cell equals AR token for token: **PASS** (9 arm-cells)" in text
     # without the target cell the line reads the full cells, as before
     assert "**FAIL**" in next(x for x in report_section_of(tev_tables(full, [], []), tmp_path / "full")

@@ -104,3 +104,26 @@ def test_mixture_ids_and_sources(data_dir, tiny_tokenizer):
 def test_a_short_source_is_refused_by_name(data_dir):
     with pytest.raises(ValueError, match=r"prompt_mix\.gsm8k: 8000 prompts asked .* it has 7473"):
         drafter_prompt_texts(data_dir, 8000, {"gsm8k": 1.0})
+
+
+def test_held_out_workload_sources_leave_the_frozen_sample_out(data_dir):
+    """math500 / humaneval / mt_bench sources: the workload's records outside its frozen sample (the config's
+    n_prompts and seed), rendered with its template or chat; a source whose workload is absent is refused."""
+    from impl.workloads.suites import DEFAULT_TEMPLATES, build_text_suite
+
+    workloads = {"math500": {"n_prompts": 36, "template": "Q: {problem}\nA:"},
+                 "humaneval": {"n_prompts": 36}, "mt_bench": {"n_prompts": 36, "chat": "{turn1}"}}
+    rows = drafter_prompt_texts(data_dir, 30, {"math500": 1, "humaneval": 1, "mt_bench": 1}, workloads=workloads,
+                                seed=7)
+    assert [r["suite"] for r in rows[:3]] == ["math500", "humaneval", "mt_bench"] and len(rows) == 30
+    for suite, w in workloads.items():
+        frozen = {r["source_id"] for r in build_text_suite(suite, data_dir, 36, 7, w.get("template")
+                                                           or DEFAULT_TEMPLATES[suite])}
+        mine = [r for r in rows if r["suite"] == suite]
+        assert len(mine) == 10 and not {r["source_id"] for r in mine} & frozen
+    assert next(r for r in rows if r["suite"] == "math500")["text"].startswith("Q: ")
+    assert "chat" in next(r for r in rows if r["suite"] == "mt_bench")
+    with pytest.raises(ValueError, match=r"prompt_mix\.math500: .* needs workloads\.math500"):
+        drafter_prompt_texts(data_dir, 4, {"math500": 1.0}, workloads={})
+    with pytest.raises(ValueError, match=r"prompt_mix\.mt_bench: 50 prompts asked .* it has 44"):
+        drafter_prompt_texts(data_dir, 50, {"mt_bench": 1.0}, workloads=workloads)

@@ -12,6 +12,7 @@ from impl.workloads import (
     DEFAULT_TEMPLATES,
     SUITES,
     build_text_suite,
+    held_out_text_suite,
     check_data,
     load_records,
     tokenize_suite,
@@ -177,3 +178,24 @@ def test_tokenize_argument_errors(tokenizer):
     with pytest.raises(ValueError) as e:
         tokenize_suite(_rows(["a"]), tokenizer, 8, overlong="truncate_right")
     assert "truncate_right" in str(e.value) and "skip" in str(e.value)
+
+
+@needs_data
+def test_held_out_text_suite_is_the_rest_of_the_permutation():
+    """The held-out rows are every record the frozen sample of n prompts leaves out, rendered alike, with
+    none of the sample's records, and nested samples keep it disjoint for any n' <= n."""
+    t = DEFAULT_TEMPLATES["math500"]
+    sample = build_text_suite("math500", DATA_DIR, 36, 0, t)
+    rest = held_out_text_suite("math500", DATA_DIR, 36, 0, t)
+    assert len(rest) == 500 - 36 and not {r["source_id"] for r in rest} & {r["source_id"] for r in sample}
+    assert {r["source_id"] for r in rest} | {r["source_id"] for r in sample} == \
+        {r["source_id"] for r in load_records("math500", DATA_DIR)}
+    rec = next(r for r in load_records("math500", DATA_DIR) if r["source_id"] == rest[0]["source_id"])
+    assert rest[0]["id"] == "math500-heldout-0000" and rest[0]["text"] == t.format(**rec["fields"])
+    # the rest of the permutation: a larger sample's extra prompts are the held-out rows' head
+    assert [r["source_id"] for r in build_text_suite("math500", DATA_DIR, 46, 0, t)[36:]] == \
+        [r["source_id"] for r in rest[:10]]
+    assert held_out_text_suite("math500", DATA_DIR, 36, 0, t, n=5) == rest[:5]
+    assert held_out_text_suite("mt_bench", DATA_DIR, 80, 0, "{turn1}") == []  # the sample covers the suite
+    with pytest.raises(ValueError, match="n_evaluated"):
+        held_out_text_suite("math500", DATA_DIR, 0, 0, t)

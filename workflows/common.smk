@@ -60,6 +60,14 @@ def sig(*keys, **extra):
     return config_hash({**{k: CFG.get(k) for k in keys}, **extra})
 
 
+def held_out_sources(mix):
+    """``sig`` keywords for a drafter's held-out prompt sources (impl.tev.prompts.HELD_OUT_SOURCES: a workload's
+    records outside its frozen sample): those workloads' settings, which fix the rows they leave out; no
+    keyword when the mix has none, so a ShareGPT / GSM8K drafter keeps its signature."""
+    held = {s: (CFG.get("workloads") or {}).get(s) for s in (mix or {}) if s not in ("sharegpt", "gsm8k")}
+    return {"held_out": held} if held else {}
+
+
 def model_path(wildcards):
     """Directory of model {model}: trained by rule train_model (tiny) or given by path (pretrained)."""
     return str(model_dir(CFG, wildcards.model))

@@ -132,7 +132,7 @@ if DEX:
             sig=sig("data_dir", "seed", "device", "dtype", "max_prompt_tokens",
                     head=HEAD.model_dump() if HEAD is not None else None, eos=DEX["stop_at_eos"],
                     gsm8k=(CFG.get("workloads") or {}).get("gsm8k") if HEAD is not None and "gsm8k" in HEAD.prompt_mix
-                    else None),
+                    else None, **held_out_sources(HEAD.prompt_mix if HEAD is not None else None)),
         threads: HEAD.threads if HEAD is not None else 1
         log:
             f"{LOGS}/dex/head/{{model}}.log",

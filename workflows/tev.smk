@@ -24,7 +24,7 @@ if TEV:
                     tev={k: TEV[k] for k in ("drafter", "exittrain", "stop_at_eos")},
                     # the gsm8k prompt source renders its questions as the gsm8k workload does
                     gsm8k=(CFG.get("workloads") or {}).get("gsm8k") if "gsm8k" in TEV["drafter"].get("prompt_mix", {})
-                    else None),
+                    else None, **held_out_sources(TEV["drafter"].get("prompt_mix"))),
         threads: TEV["drafter"]["threads"]
         log:
             f"{LOGS}/tev/train/{{model}}.log",

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from ..sections import Section, section_defaults, section_schema, typed_section
-from ..tev.schema import Drafter
+from ..tev.schema import Drafter, check_prompt_mix
 from ..workloads.suites import SUITES
 
 __all__ = ["dex_section", "DexSection", "Distributed", "Decs", "Adapters", "Baselines", "Draft", "Speculative",
@@ -224,6 +224,8 @@ def check(out: dict[str, Any]) -> None:
         if not in_tev and head.drafter is None:
             raise ConfigError("config: 'dex.speculative.dflash' needs a model of 'dex.models' in 'tev.models' "
                               "(its TEV drafters) or 'dex.speculative.dflash.drafter' (a drafter trained for DEX)")
+        if head.drafter is not None:
+            check_prompt_mix(out, head.drafter.model_dump(), "dex.speculative.dflash.drafter")
         if in_tev:
             H = (tev.get("drafter") or {}).get("block_size")
             if H is not None and head.depth > H:

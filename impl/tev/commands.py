@@ -32,7 +32,6 @@ def cmd_tev_train(args) -> None:
     from ..runtime import config_from_args, load_for
     from ..models.load import load_tokenizer
     from ..provenance import atomic_path, provenance, write_json
-    from ..workloads.suites import DEFAULT_TEMPLATES
     from .drafter import DrafterTrainConfig, make_rollouts, train_drafter
     from .prompts import drafter_prompt_ids
     from .train import ExitTrainConfig, evaluate_trees, train_exittrain
@@ -54,11 +53,10 @@ def cmd_tev_train(args) -> None:
     target = load_for(cfg, args.model_dir)
     tok = load_tokenizer(args.model_dir)
     core = core_config(cfg)
-    gsm8k = (cfg.get("workloads") or {}).get("gsm8k") or {}  # the gsm8k source renders as the gsm8k workload
+    # workload-shaped sources render as their workloads (and the held-out ones leave the frozen sample out)
     prompts, sources = drafter_prompt_ids(tok, core.data_dir, d.prompts, d.prompt_mix,
-                                          max_prompt_tokens=d.prompt_max_tokens,
-                                          gsm8k_template=gsm8k.get("template") or DEFAULT_TEMPLATES["gsm8k"],
-                                          gsm8k_chat=gsm8k.get("chat"))
+                                          max_prompt_tokens=d.prompt_max_tokens, workloads=cfg.get("workloads"),
+                                          seed=core.seed)
     tcfg = DrafterTrainConfig.from_section(d, seed=core.seed, progress=not args.quiet)
     eos = target.config.eos_token_id if stop_at_eos else None
     with torch.random.fork_rng(devices=[]):

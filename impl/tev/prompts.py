@@ -8,7 +8,12 @@ chat / math / code mixture. Offline, the data folder (``SOURCES.md``) offers two
   otherwise (``chat``), as the MT-Bench workload;
 * ``gsm8k``: the questions of the GSM8K **train** split (the cells sample the test split, so no evaluated
   prompt is trained on), rendered exactly as the ``gsm8k`` workload renders its prompts (config keys
-  ``workloads.gsm8k.template`` / ``chat``), so that the drafter sees the format it is evaluated on.
+  ``workloads.gsm8k.template`` / ``chat``), so that the drafter sees the format it is evaluated on;
+* ``math500``, ``humaneval``, ``mt_bench``: those suites have no train split, so a source is the suite's
+  records **outside** its frozen sample (:func:`impl.workloads.suites.held_out_text_suite`: the seeded
+  permutation's positions past ``workloads.<suite>.n_prompts``), rendered as the workload renders them
+  (math: MATH-500's 500 problems less the evaluated 36; code: HumanEval's 164 less 36; chat: MT-Bench's
+  80 less 36). No evaluated prompt is trained on while ``n_prompts`` does not grow.
 
 :func:`drafter_prompt_texts` draws ``n`` prompts in the proportions of ``tev.drafter.prompt_mix`` (largest-
 remainder apportionment) and interleaves the sources evenly, so every slice of the list (the held-out tail
@@ -24,13 +29,16 @@ from pathlib import Path
 from typing import Mapping
 
 from impl.provenance import read_jsonl
+from impl.workloads.suites import DEFAULT_TEMPLATES, held_out_text_suite
 from impl.workloads.tokenize import tokenize_suite
 
-__all__ = ["PROMPT_SOURCES", "drafter_prompt_ids", "drafter_prompt_texts", "gsm8k_train_prompt_texts",
+__all__ = ["HELD_OUT_SOURCES", "PROMPT_SOURCES", "drafter_prompt_ids", "drafter_prompt_texts", "gsm8k_train_prompt_texts",
            "mix_counts", "sharegpt_prompt_ids", "sharegpt_prompt_texts"]
 
+#: workload suites whose records outside the frozen sample are a prompt source (no train split)
+HELD_OUT_SOURCES: tuple[str, ...] = ("math500", "humaneval", "mt_bench")
 #: the prompt sources of ``tev.drafter.prompt_mix``
-PROMPT_SOURCES: tuple[str, ...] = ("sharegpt", "gsm8k")
+PROMPT_SOURCES: tuple[str, ...] = ("sharegpt", "gsm8k", *HELD_OUT_SOURCES)
 
 #: the gsm8k workload's default rendering (``impl.workloads.suites.DEFAULT_TEMPLATES``)
 GSM8K_TEMPLATE = "Question: {question}\nAnswer:"
@@ -154,7 +162,7 @@ def _interleave(groups: Mapping[str, list[dict]]) -> list[dict]:
 
 
 def drafter_prompt_texts(data_dir: str | Path, n: int, mix: Mapping[str, float] | None = None, *,
-                         gsm8k_template: str = GSM8K_TEMPLATE, gsm8k_chat: str | None = None) -> list[dict]:
+                         workloads: Mapping[str, Mapping] | None = None, seed: int = 0) -> list[dict]:
     """The drafter's training prompts: ``n`` rows drawn from the sources of ``mix`` in its proportions,
     interleaved evenly (TEV App. D's open-perfectblend mixture, from the offline parts it has here).
 
@@ -162,25 +170,40 @@ def drafter_prompt_texts(data_dir: str | Path, n: int, mix: Mapping[str, float] 
         data_dir: the data folder.
         n: prompts in all, >= 1.
         mix: source (``PROMPT_SOURCES``) -> share; None: ShareGPT alone.
-        gsm8k_template, gsm8k_chat: how the ``gsm8k`` source renders a question (the ``gsm8k`` workload's
-            ``template`` / ``chat``).
+        workloads: the config's ``workloads`` section: how the ``gsm8k`` source renders a question (its
+            ``template`` / ``chat``), and for a :data:`HELD_OUT_SOURCES` source also its ``n_prompts`` (the
+            evaluated sample it leaves out).
+        seed: the run's seed (the workloads' sampling seed, so a held-out source excludes exactly the frozen
+            sample).
 
     Returns:
-        rows as :func:`sharegpt_prompt_texts` / :func:`gsm8k_train_prompt_texts` make them (``suite`` names the
-        source); a one-source mix keeps that source's file order.
+        rows as :func:`sharegpt_prompt_texts` / :func:`gsm8k_train_prompt_texts` /
+        :func:`impl.workloads.suites.held_out_text_suite` make them (``suite`` names the source); a
+        one-source mix keeps that source's file order.
 
     Raises:
-        ValueError: a bad mix (:func:`mix_counts`), or a source with fewer usable prompts than its count
-            (names the source and both numbers).
+        ValueError: a bad mix (:func:`mix_counts`), a held-out source whose workload is not configured, or a
+            source with fewer usable prompts than its count (names the source and both numbers).
         FileNotFoundError: a source's file is missing.
     """
     counts = mix_counts(n, mix or {"sharegpt": 1.0})
+    workloads = workloads or {}
     groups: dict[str, list[dict]] = {}
     for s, k in counts.items():
         if k == 0:
             continue
-        rows = (sharegpt_prompt_texts(data_dir, k) if s == "sharegpt" else
-                gsm8k_train_prompt_texts(data_dir, k, template=gsm8k_template, chat=gsm8k_chat))
+        w = workloads.get(s) or {}
+        if s == "sharegpt":
+            rows = sharegpt_prompt_texts(data_dir, k)
+        elif s == "gsm8k":
+            rows = gsm8k_train_prompt_texts(data_dir, k, template=w.get("template") or GSM8K_TEMPLATE,
+                                            chat=w.get("chat"))
+        else:
+            if not w:
+                raise ValueError(f"tev.drafter.prompt_mix.{s}: the source is {s}'s records outside its frozen sample, "
+                                 f"so the config needs workloads.{s} (its n_prompts is the sample left out)")
+            rows = held_out_text_suite(s, data_dir, int(w["n_prompts"]), seed,
+                                       w.get("template") or DEFAULT_TEMPLATES[s], w.get("chat"), n=k)
         if len(rows) < k:
             raise ValueError(f"tev.drafter.prompt_mix.{s}: {k} prompts asked of that source, it has {len(rows)} "
                              "usable ones; lower tev.drafter.prompts or its share")
@@ -189,8 +212,8 @@ def drafter_prompt_texts(data_dir: str | Path, n: int, mix: Mapping[str, float] 
 
 
 def drafter_prompt_ids(tokenizer, data_dir: str | Path, n: int, mix: Mapping[str, float] | None = None, *,
-                       max_prompt_tokens: int = 256, gsm8k_template: str = GSM8K_TEMPLATE,
-                       gsm8k_chat: str | None = None) -> tuple[list[list[int]], list[str]]:
+                       max_prompt_tokens: int = 256, workloads: Mapping[str, Mapping] | None = None,
+                       seed: int = 0) -> tuple[list[list[int]], list[str]]:
     """Token ids of :func:`drafter_prompt_texts`, tokenized like the workloads
     (:func:`impl.workloads.tokenize.tokenize_suite`: BOS if any, overlong prompts truncated from the left to
     ``max_prompt_tokens``; through the tokenizer's chat template for rows with ``chat`` when it has one).
@@ -198,7 +221,7 @@ def drafter_prompt_ids(tokenizer, data_dir: str | Path, n: int, mix: Mapping[str
     Returns:
         ``(ids, sources)``: one int list per kept prompt and the source of each (same order).
     """
-    rows = drafter_prompt_texts(data_dir, n, mix, gsm8k_template=gsm8k_template, gsm8k_chat=gsm8k_chat)
+    rows = drafter_prompt_texts(data_dir, n, mix, workloads=workloads, seed=seed)
     out, _ = tokenize_suite(rows, tokenizer, max_prompt_tokens)
     return [r["input_ids"] for r in out], [r["suite"] for r in out]
 

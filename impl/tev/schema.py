@@ -22,7 +22,7 @@ PosNum = Annotated[float, Field(gt=0)]
 NonNegNum = Annotated[float, Field(ge=0)]
 Suite = Literal["gsm8k", "humaneval", "xsum", "mt_bench", "math500", "bbh", "coqa"]
 Objective = Literal["token", "prefix", "exit", "opd"]
-PromptSource = Literal["sharegpt", "gsm8k"]  # impl.tev.prompts.PROMPT_SOURCES
+PromptSource = Literal["sharegpt", "gsm8k", "math500", "humaneval", "mt_bench"]  # impl.tev.prompts.PROMPT_SOURCES
 
 
 class Drafter(Section):
@@ -36,7 +36,8 @@ class Drafter(Section):
         {"sharegpt": 1.0}, min_length=1,
         description="share of each prompt source (TEV App. D's open-perfectblend mixture, offline parts): sharegpt "
                     "= ShareGPT first user turns (chat), gsm8k = GSM8K train questions rendered as the gsm8k "
-                    "workload (math); interleaved evenly (impl/tev/prompts.py)")
+                    "workload (math); math500 / humaneval / mt_bench = that workload's records outside its frozen "
+                    "sample, rendered as the workload (needs workloads.<suite>); interleaved evenly (impl/tev/prompts.py)")
     prompt_max_tokens: PosInt = Field(96, description="prompt tokens kept per rollout [tokens]")
     rollout_new_tokens: PosInt = Field(64, description="response tokens per rollout [tokens]")
     rollout_temperature: NonNegNum = Field(0.0, description="0: greedy rollouts")
@@ -121,6 +122,21 @@ def tev_section(cfg: dict[str, Any]) -> TevSection:
     return typed_section(cfg, "tev", TevSection)
 
 
+def check_prompt_mix(cfg: dict[str, Any], drafter: dict[str, Any], where: str) -> None:
+    """A drafter's held-out prompt sources (``math500``, ``humaneval``, ``mt_bench``: a workload's records
+    outside its frozen sample) need that workload in the config.
+
+    Raises:
+        impl.config.ConfigError: one line naming the key.
+    """
+    from ..config import ConfigError
+
+    for s in drafter.get("prompt_mix") or {}:
+        if s not in ("sharegpt", "gsm8k") and s not in cfg["workloads"]:
+            raise ConfigError(f"config: '{where}.prompt_mix.{s}' is {s}'s records outside its frozen sample, but "
+                              f"'workloads' has no '{s}' (its n_prompts is the sample left out)")
+
+
 def check(cfg: dict[str, Any]) -> None:
     """Cross-checks of the ``tev`` section (model and workload names, depth vs block size).
 
@@ -139,6 +155,7 @@ def check(cfg: dict[str, Any]) -> None:
     if t["depth"] > t["drafter"]["block_size"]:
         raise ConfigError(f"config: 'tev.depth' = {t['depth']} exceeds 'tev.drafter.block_size' = "
                           f"{t['drafter']['block_size']} (a tree is at most one drafted block deep)")
+    check_prompt_mix(cfg, t["drafter"], "tev.drafter")
     for w in t["workloads"] if t.get("target_prompts") else ():
         have = cfg["workloads"][w]["n_prompts"]
         if t["target_prompts"] > have:

@@ -9,6 +9,7 @@ from impl.workloads.suites import (
     FIELDS,
     SUITES,
     build_text_suite,
+    held_out_text_suite,
     check_data,
     load_records,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "OVERLONG_RULES",
     "SUITES",
     "build_text_suite",
+    "held_out_text_suite",
     "check_data",
     "load_records",
     "read_prompts",

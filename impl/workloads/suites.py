@@ -265,6 +265,56 @@ def build_text_suite(
     _check_suite(suite)
     if isinstance(n_prompts, bool) or not isinstance(n_prompts, int) or n_prompts < 1:
         raise ValueError(f"n_prompts must be an int >= 1, got {n_prompts!r}")
+    _check_templates(suite, template, chat)
+    records = load_records(suite, data_dir)
+    idx = list(range(len(records))) if n_prompts >= len(records) else _sample_order(suite, len(records), seed)[:n_prompts]
+    return [_render(suite, f"{suite}-{k:04d}", records[i], template, chat) for k, i in enumerate(idx)]
+
+
+def held_out_text_suite(
+    suite: str, data_dir: str | Path, n_evaluated: int, seed: int, template: str, chat: str | None = None,
+    n: int | None = None,
+) -> list[dict]:
+    """The records of ``suite`` that :func:`build_text_suite` with ``n_evaluated`` prompts and ``seed`` does
+    not sample: positions ``n_evaluated, n_evaluated + 1, ...`` of the same seeded permutation, rendered
+    the same way. Training data for a drafter of the suite's distribution with no evaluated prompt in it.
+
+    Since samples are nested, these rows stay outside the evaluated sample as long as the suite's
+    ``n_prompts`` stays at most ``n_evaluated``.
+
+    Args:
+        suite, data_dir, seed, template, chat: as :func:`build_text_suite`.
+        n_evaluated: the suite's evaluated prompt count (``workloads.<suite>.n_prompts``), >= 1.
+        n: at most this many rows (None: all the rest).
+
+    Returns:
+        list of ``{"id": f"{suite}-heldout-{k:04d}", "suite", "source_id", "text"}`` rows (plus ``chat``);
+        empty when ``n_evaluated`` covers the suite.
+
+    Raises:
+        ValueError: unknown suite, ``n_evaluated < 1`` or a bad template (as :func:`build_text_suite`).
+        FileNotFoundError: a needed data file is missing.
+    """
+    _check_suite(suite)
+    if isinstance(n_evaluated, bool) or not isinstance(n_evaluated, int) or n_evaluated < 1:
+        raise ValueError(f"n_evaluated must be an int >= 1, got {n_evaluated!r}")
+    _check_templates(suite, template, chat)
+    records = load_records(suite, data_dir)
+    if n_evaluated >= len(records):
+        return []
+    rest = _sample_order(suite, len(records), seed)[n_evaluated:]
+    rest = rest if n is None else rest[:n]
+    return [_render(suite, f"{suite}-heldout-{k:04d}", records[i], template, chat) for k, i in enumerate(rest)]
+
+
+def _sample_order(suite: str, n_records: int, seed: int) -> list[int]:
+    """The seeded permutation of a suite's record indices that :func:`build_text_suite` samples from."""
+    order = list(range(n_records))
+    random.Random(f"{suite}:{seed}").shuffle(order)
+    return order
+
+
+def _check_templates(suite: str, template: str, chat: str | None) -> None:
     available = FIELDS[suite]
     for name in _template_fields(template) + (_template_fields(chat) if chat else []):
         if name == "" or name.isdigit() or name not in available:
@@ -272,23 +322,13 @@ def build_text_suite(
                 f"template for suite {suite!r} names unknown field {{{name}}}; available fields: "
                 f"{', '.join(available)}"
             )
-    records = load_records(suite, data_dir)
-    if n_prompts >= len(records):
-        idx = list(range(len(records)))
-    else:
-        order = list(range(len(records)))
-        random.Random(f"{suite}:{seed}").shuffle(order)
-        idx = order[:n_prompts]
-    rows = []
-    for k, i in enumerate(idx):
-        rec = records[i]
-        rows.append(
-            {
-                "id": f"{suite}-{k:04d}",
-                "suite": suite,
-                "source_id": rec["source_id"],
-                "text": template.format(**rec["fields"]),
-                **({"chat": chat.format(**rec["fields"])} if chat else {}),
-            }
-        )
-    return rows
+
+
+def _render(suite: str, row_id: str, rec: dict, template: str, chat: str | None) -> dict:
+    return {
+        "id": row_id,
+        "suite": suite,
+        "source_id": rec["source_id"],
+        "text": template.format(**rec["fields"]),
+        **({"chat": chat.format(**rec["fields"])} if chat else {}),
+    }

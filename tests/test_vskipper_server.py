@@ -244,10 +244,15 @@ def test_stop_strings_cut_text_and_free_the_request_id(upstream):
     assert len(visible) >= 6, text
     stop = text[visible[3]: visible[3] + 2]
     cut = text[: text.find(stop)]
+    before = _get(upstream.url, "/v1/vskipper/stats")[1]["counters"]
     code, out = _json(upstream.url, {**base, "stop": [stop, "\x00never"]})
     ch = out["choices"][0]
     assert code == 200 and ch["text"] == cut and ch["finish_reason"] == "stop"
     assert 1 <= out["usage"]["completion_tokens"] < 24
+    # a stop-string end is a normal end: counted finished with its tokens, not cancelled
+    after = _get(upstream.url, "/v1/vskipper/stats")[1]["counters"]
+    assert (after["finished"] - before["finished"], after["cancelled"] - before["cancelled"]) == (1, 0), after
+    assert after["completion_tokens"] - before["completion_tokens"] == out["usage"]["completion_tokens"]
     assert ch["token_ids"] == full["token_ids"][: len(ch["token_ids"])]
     # streamed: the same text, the stop string never sent
     code, raw = _post(upstream.url, {**base, "stop": stop, "stream": True})
@@ -372,6 +377,8 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10 ** 8}, "'max_completion_tokens' must be < 128"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "'messages[0].content[0].text' must be a string"),
     ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, "must be the assistant's (got role 'user')"),
+    ({"messages": [{"role": "user"}]}, "a user message needs 'content'"),
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]}, "a system message needs 'content'"),
 ]
 
 #: Fields that do not change a greedy decode: checked, then accepted (200).
@@ -591,6 +598,8 @@ def test_switch_arguments_keep_infinite_thresholds(tmp_path):
     (["--device", "cuda:7"], "--device: 'cuda:7' is not available"),
     (["--device", "banana"], "--device: "),
     (["--ready-file", "/nonexistent/dir/port"], "--ready-file: folder /nonexistent/dir does not exist"),
+    (["--log-level", "bogus"], "argument --log-level: invalid choice: 'BOGUS'"),
+    (["--host", "no.such.host.invalid"], "--host: cannot resolve 'no.such.host.invalid'"),
 ])
 def test_cli_refuses_bad_arguments_before_loading(model_dir, monkeypatch, capsys, extra, match):
     """Every bad argument is one ``error:`` line naming it, exit status 2, and no weights are read."""

@@ -534,16 +534,27 @@ class EngineDriver:
         with self._cond:
             self.counters["rejected"] += 1
 
-    def cancel(self, live: LiveRequest) -> None:
+    def cancel(self, live: LiveRequest, stopped_after: int | None = None) -> None:
         """Cancel a request in the engine (stop string hit, client gone, timeout). Its id stays reserved
-        until the engine has dropped it."""
+        until the engine has dropped it.
+
+        Args:
+            live: the request.
+            stopped_after: the request ended normally on a stop string after this many completion tokens
+                (the client got ``finish_reason: "stop"``): it counts as ``finished`` with those tokens in
+                ``completion_tokens``, not as ``cancelled``; None: a cancellation (client gone, timeout).
+        """
         with self._cond:
             if live.cancelled or self._live.get(live.rid) is not live:
                 return
             live.cancelled = True
             self._cancelling.add(live.rid)
             if not live.warmup:
-                self.counters["cancelled"] += 1
+                if stopped_after is None:
+                    self.counters["cancelled"] += 1
+                else:
+                    self.counters["finished"] += 1
+                    self.counters["completion_tokens"] += int(stopped_after)
         if live.info is None:
             self.on_finished(live, None)
         self._tap.want.pop(live.rid, None)

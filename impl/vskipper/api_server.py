@@ -438,8 +438,10 @@ async def _pieces(engine: CompletionEngine, live: LiveRequest, s: Sampling
     cancels the request in the engine when a stop string completes or the reader goes away."""
     asm = TextAssembler(engine, live.prompt_ids, s.stops, s.skip_special)
     finished = False
+    n_tokens = 0
     try:
         async for ev in engine.aevents(live):
+            n_tokens += 1
             offset = len(asm.text)
             piece = asm.push(ev.token_id, ev.final)
             offset = min(offset, len(asm.text))
@@ -447,7 +449,7 @@ async def _pieces(engine: CompletionEngine, live: LiveRequest, s: Sampling
             if asm.stopped or ev.final:
                 finished = True
             if asm.stopped:
-                engine.cancel(live)  # no-op when the engine already finished it
+                engine.cancel(live, stopped_after=n_tokens)  # a normal end; no-op when the engine already finished it
             yield ev, piece, reason, offset, asm
             if asm.stopped:
                 return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictInt, StrictStr, model_validator
 
 __all__ = [
     "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionStreamResponse", "ChatMessage",
@@ -110,10 +110,17 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(_Request):
-    """One message; ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts."""
+    """One message; ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts. Only an
+    ``assistant`` message may leave ``content`` out or null (the OpenAI API requires it of the others)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[dict[str, JsonValue]] | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content' (a string or a list of text parts)")
+        return self
 
     def text(self) -> str:
         """The message's text (text parts joined; other part types are refused by the server)."""

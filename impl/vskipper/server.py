@@ -348,7 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--request-timeout-s", type=positive_float, default=600.0)
     ap.add_argument("--grace-s", type=positive_float, default=30.0, help="shutdown grace for in-flight requests")
     ap.add_argument("--ready-file", default=None, help="write the bound port to this file once ready")
-    ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--log-level", default="WARNING", type=str.upper,
+                    choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"])
     args = ap.parse_args(argv)
     try:  # every argument checked before any weights are read
         cb_overrides = cb_overrides_from_args(args.cb)
@@ -358,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_listen(args.host, args.port)
     except ValueError as exc:
         ap.error(str(exc))
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+    logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def ready(server: CompletionServer) -> None:

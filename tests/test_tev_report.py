@@ -173,3 +173,17 @@ def report_section_of(tables, d):
     for name, df in tables.items():
         df.to_csv(d / f"{name}.csv", index=False)
     return report_section(d, d, d)
+
+
+def test_the_tau_line_covers_every_model_when_the_first_falls_short():
+    """Two models, the first FAILs with a learning curve: the second gets its line too (a variable of the
+    first model's curve clause once shadowed the table the loop reads)."""
+    from impl.tev.report import _tau_target_lines
+
+    arms = pd.DataFrame([{"model": m, "suite": s, "arm": a, "temperature": 0.0, "budget": 64, "tau": t, "tokens": 64}
+                         for m, tau in (("tiny-ls", 1.2), ("smollm2", 1.5)) for s in ("gsm8k", "math500")
+                         for a, t in (("exittrain+tev", tau), ("ddtree", tau - 0.1))])
+    curve = pd.concat([curve_table([_summary("models/tiny-ls")]), curve_table([_summary()])])
+    lines = _tau_target_lines(arms, curve)
+    assert len(lines) == 2 and "**FAIL**" in lines[0] and "**FAIL**" in lines[1]
+    assert "DDTree tau at T = 0 averages 1.10" in lines[0] and "DDTree tau at T = 0 averages 1.40" in lines[1]

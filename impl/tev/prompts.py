@@ -182,10 +182,13 @@ def drafter_prompt_texts(data_dir: str | Path, n: int, mix: Mapping[str, float] 
         one-source mix keeps that source's file order.
 
     Raises:
-        ValueError: a bad mix (:func:`mix_counts`), a held-out source whose workload is not configured, or a
-            source with fewer usable prompts than its count (names the source and both numbers).
+        ValueError: ``n < 1``, a bad mix (:func:`mix_counts`), a held-out source whose workload is not
+            configured, a template naming a field its suite lacks, or a source with fewer usable prompts than
+            its count (names the source and both numbers).
         FileNotFoundError: a source's file is missing.
     """
+    if n < 1:
+        raise ValueError(f"tev.drafter.prompts: need at least 1 prompt, got {n}")
     counts = mix_counts(n, mix or {"sharegpt": 1.0})
     workloads = workloads or {}
     groups: dict[str, list[dict]] = {}

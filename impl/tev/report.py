@@ -202,9 +202,10 @@ def steps_to_reach(curve: pd.DataFrame, tau: float = TAU_TARGET, column: str = "
 
 def target_table(df: pd.DataFrame) -> pd.DataFrame:
     """The tau-target cell (``tev.target_prompts``) per (model, suite, arm) at T = 0: the arms table's
-    micro tau, tokens and AR check, plus the per-prompt mean tau with its t-based 95% interval over
-    prompts (``tau_prompt_mean``, ``ci_low``, ``ci_high``) and, for the tree arms, the paired
-    difference to DDTree (``diff_vs_ddtree`` with ``diff_ci_low`` / ``diff_ci_high``)."""
+    micro tau, tokens and AR check (its ``tables`` column dropped), plus the per-prompt mean tau with its
+    t-based 95% interval over prompts (``tau_prompt_mean``, ``ci_low``, ``ci_high``) and, for every arm but
+    AR and DDTree, the paired difference to DDTree (``diff_vs_ddtree`` with ``diff_ci_low`` /
+    ``diff_ci_high``; NaN for those two). An empty ``df`` gives an empty frame."""
     if not len(df):
         return pd.DataFrame()
     arms = arms_table(df)
@@ -226,12 +227,13 @@ def target_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame, target: pd.DataFrame | None = None) -> list[str]:
     """The tau target per model (ExitTrain + TEV, B = 64, T = 0, on at least two workloads), each
-    workload's tau with the generated tokens it averages over; where it fails, what the base drafter's
-    learning curve projects.
+    workload's tau with the generated tokens it averages over; where it fails (or passes unresolved,
+    below), what the base drafter's learning curve projects.
 
     With the tau-target cell's table (``target``, :func:`target_table`) the line reads it instead of the
     full cells (more prompts) and adds each workload's per-prompt 95% interval and how many workloads
-    have the interval's lower end at or above the target."""
+    have the interval's lower end at or above the target; a PASS by the micro tau with fewer such
+    workloads than the rule needs reads "not resolved" and gets the learning-curve clauses."""
     out = []
     use_target = target is not None and len(target) > 0
     src = target if use_target else arms
@@ -282,8 +284,8 @@ def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame, target: pd.DataFr
         if short and len(cm) and "tree_tau" in cm:
             base = src[(src.model == m) & (src.arm == "ddtree") & (src.temperature == 0) & (src.budget == 64)]
             if len(base):
-                src = cm["prompts"].iloc[0] if "prompts" in cm else "sharegpt"
-                line += (f"; the curve is on held-out rollouts of the drafter's training prompts ({src}): with "
+                sources = cm["prompts"].iloc[0] if "prompts" in cm else "sharegpt"
+                line += (f"; the curve is on held-out rollouts of the drafter's training prompts ({sources}): with "
                          f"the same base drafter the cells' DDTree tau at T = 0 averages {float(base['tau'].mean()):.2f} on "
                          f"these workloads against {float(cm.sort_values('step')['tree_tau'].iloc[-1]):.2f} there, so "
                          "for them the projection is optimistic (workload-like rollouts are the missing data)")

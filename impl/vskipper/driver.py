@@ -83,7 +83,8 @@ class CompletionEngine(EngineDriver):
         max_logprobs: the largest ``logprobs`` a request may ask for (0 refuses logprobs).
         add_special_tokens: tokenizer flag for string prompts (default True).
         request_timeout_s: a request still unfinished after this long is cancelled (504).
-        warmup: run one short request before serving (excluded from any measurement).
+        warmup: run one short request before serving (excluded from the request counters and the mode
+            switch's counts; the top-level ``batches`` of :meth:`describe` includes its batches).
         freeze_gc: after the warm-up, ``gc.collect(); gc.freeze()`` until :meth:`stop` (as the
             in-process arms: no full collection of the big heap stalls the engine thread mid-run).
 

@@ -191,7 +191,7 @@ def serve(model_dir: str | Path, arm: str = "hybrid", skipper_spec: Any = None, 
 
 
 #: ContinuousBatchingConfig fields that count something and must be >= 1 when set
-_CB_POSITIVE = ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_queue_size")
+_CB_POSITIVE = ("page_size", "block_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_queue_size")
 
 
 def cb_overrides_from_args(items: Sequence[str]) -> dict[str, Any]:
@@ -199,7 +199,11 @@ def cb_overrides_from_args(items: Sequence[str]) -> dict[str, Any]:
 
     Each KEY must be a field of transformers' ``ContinuousBatchingConfig`` and each VALUE (read by
     :func:`parse_literal`) must have the field's type (pydantic, strict, so ``num_blocks=abc`` or
-    ``page_size=2.5`` are refused); counts (``page_size``, ``num_blocks``, ...) must be >= 1.
+    ``page_size=2.5`` are refused); counts (``page_size``, ``num_blocks``, ...) must be >= 1. Values are
+    not checked beyond their type and sign (e.g. ``scheduler_type``): the engine's start refuses those.
+
+    Returns:
+        ``{key: typed value}``, for :func:`routed_cb_config` / :func:`serve`'s ``cb_overrides``.
 
     Raises:
         ValueError: naming ``--cb`` and the offending item, key or value.

@@ -292,12 +292,15 @@ def held_out_text_suite(
         empty when ``n_evaluated`` covers the suite.
 
     Raises:
-        ValueError: unknown suite, ``n_evaluated < 1`` or a bad template (as :func:`build_text_suite`).
+        ValueError: unknown suite, ``n_evaluated < 1``, a negative ``n`` or a bad template (as
+            :func:`build_text_suite`).
         FileNotFoundError: a needed data file is missing.
     """
     _check_suite(suite)
     if isinstance(n_evaluated, bool) or not isinstance(n_evaluated, int) or n_evaluated < 1:
         raise ValueError(f"n_evaluated must be an int >= 1, got {n_evaluated!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ValueError(f"n must be None or an int >= 0, got {n!r}")
     _check_templates(suite, template, chat)
     records = load_records(suite, data_dir)
     if n_evaluated >= len(records):

@@ -144,7 +144,7 @@ def _parser():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers()
 
-    def add(name, fn, help_):
+    def add(name, fn, help_, config=True):  # impl.cli.build_parser's add; the config comes from the patch
         sp = sub.add_parser(name)
         sp.add_argument("--quiet", action="store_true")
         sp.set_defaults(fn=fn)

@@ -564,13 +564,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="cmd", required=True)
-    cfgp = ArgumentParser(add_help=False)
+    quietp = ArgumentParser(add_help=False)  # every command; those that read no config take only this
+    quietp.add_argument("--quiet", action="store_true", help="no progress bars")
+    cfgp = ArgumentParser(add_help=False, parents=[quietp])
     g = cfgp.add_mutually_exclusive_group()
     g.add_argument("--config", help="YAML config (e.g. configs/default.yaml)")
     g.add_argument("--config-json", help="validated config as JSON text, or @FILE holding it (used by workflow rules)")
-    cfgp.add_argument("--quiet", action="store_true", help="no progress bars")
-    quietp = ArgumentParser(add_help=False)  # commands that read no config: --config would be ignored
-    quietp.add_argument("--quiet", action="store_true", help="no progress bars")
 
     def add(name, fn, help_, *, config: bool = True):
         """A sub-command; ``config=False``: it reads no run config, so it takes no --config/--config-json

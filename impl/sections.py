@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-__all__ = ["Section", "section_schema", "section_defaults", "typed_section"]
+__all__ = ["Section", "section_schema", "section_defaults", "strict_value", "typed_section"]
 
 
 class Section(BaseModel):
@@ -135,3 +135,20 @@ def typed_section(cfg: dict[str, Any], name: str, model: type[BaseModel], *, why
     if name not in cfg:
         raise SystemExit(f"error: the config has no '{name}' section{why}")
     return model.model_validate(cfg[name])
+
+
+def strict_value(tp: Any, value: Any, where: str) -> Any:
+    """``value`` checked against the type annotation ``tp`` (pydantic, strict: ``"8"`` is not an int, ``1``
+    is not a bool, ``2.5`` is not an int; an int is a float), for a typed field outside a section (a
+    dataclass field given on the command line or in JSON).
+
+    Returns:
+        the value as pydantic validated it.
+
+    Raises:
+        ValueError: ``"<where>: <pydantic's message>, got <value>"``.
+    """
+    try:
+        return TypeAdapter(tp, config=ConfigDict(strict=True, arbitrary_types_allowed=True)).validate_python(value)
+    except ValidationError as e:
+        raise ValueError(f"{where}: {e.errors()[0]['msg']}, got {value!r}") from None

@@ -40,8 +40,8 @@ HELD_OUT_SOURCES: tuple[str, ...] = ("math500", "humaneval", "mt_bench")
 #: the prompt sources of ``tev.drafter.prompt_mix``
 PROMPT_SOURCES: tuple[str, ...] = ("sharegpt", "gsm8k", *HELD_OUT_SOURCES)
 
-#: the gsm8k workload's default rendering (``impl.workloads.suites.DEFAULT_TEMPLATES``)
-GSM8K_TEMPLATE = "Question: {question}\nAnswer:"
+#: the gsm8k workload's default rendering
+GSM8K_TEMPLATE = DEFAULT_TEMPLATES["gsm8k"]
 
 
 def sharegpt_prompt_texts(data_dir: str | Path, n: int | None = None, *, skip: int = 0,
@@ -199,7 +199,7 @@ def drafter_prompt_texts(data_dir: str | Path, n: int, mix: Mapping[str, float] 
         if s == "sharegpt":
             rows = sharegpt_prompt_texts(data_dir, k)
         elif s == "gsm8k":
-            rows = gsm8k_train_prompt_texts(data_dir, k, template=w.get("template") or GSM8K_TEMPLATE,
+            rows = gsm8k_train_prompt_texts(data_dir, k, template=w.get("template") or DEFAULT_TEMPLATES[s],
                                             chat=w.get("chat"))
         else:
             if not w:

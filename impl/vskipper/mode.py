@@ -62,9 +62,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from pydantic import ConfigDict, TypeAdapter, ValidationError
 from transformers import DynamicCache
 
+from ..sections import strict_value
 from .engine import bind_skipper, generate_greedy, unbind_skipper
 from .routed import RoutedDecoderLayer, routed_context
 from .skipper import Phase, RowMeta, Skipper
@@ -173,10 +173,7 @@ class ModeSwitch:
             raise ValueError(f"ModeSwitch has no field {', '.join(map(repr, unknown))}")
         values = {k: (math.inf if v is None and k in _INF_FIELDS else v) for k, v in fields.items()}
         for k, v in values.items():
-            try:
-                TypeAdapter(types[k], config=ConfigDict(strict=True)).validate_python(v)
-            except ValidationError as e:
-                raise ValueError(f"ModeSwitch.{k}: {e.errors()[0]['msg']}, got {v!r}") from None
+            strict_value(types[k], v, f"ModeSwitch.{k}")
         return cls(**values)
 
     @classmethod

@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from pydantic import ConfigDict, TypeAdapter, ValidationError
 from transformers import ContinuousBatchingConfig
 
 from impl.models.load import load_model, load_tokenizer, model_num_layers
 
 from ..argtypes import ArgumentParser, nonneg_int, port, positive_float, positive_int
+from ..sections import strict_value
 from .api_server import CompletionServer, make_server
 from .driver import ARMS, CompletionEngine
 from .engine import routed_cb_config
@@ -217,15 +217,7 @@ def cb_overrides_from_args(items: Sequence[str]) -> dict[str, Any]:
         if key not in fields:
             raise ValueError(f"argument --cb: unknown key {key!r}; ContinuousBatchingConfig fields: "
                              + ", ".join(sorted(fields)))
-        value = parse_literal(raw)
-        try:
-            value = TypeAdapter(fields[key], config=ConfigDict(strict=True,
-                                                               arbitrary_types_allowed=True)).validate_python(value)
-        except ValidationError as e:
-            first = e.errors()[0]["msg"] if e.errors() else str(e)
-            raise ValueError(f"argument --cb: {key}={raw!r}: {first} (type {fields[key]})") from None
-        except Exception:  # a field whose type pydantic cannot check (compile configs): not a command-line setting
-            raise ValueError(f"argument --cb: {key} cannot be set from the command line") from None
+        value = strict_value(fields[key], parse_literal(raw), f"argument --cb: {key}={raw!r} (type {fields[key]})")
         if key in _CB_POSITIVE and value is not None and value < 1:
             raise ValueError(f"argument --cb: {key} must be >= 1, got {raw!r}")
         out[key] = value

@@ -187,3 +187,29 @@ def test_the_tau_line_covers_every_model_when_the_first_falls_short():
     lines = _tau_target_lines(arms, curve)
     assert len(lines) == 2 and "**FAIL**" in lines[0] and "**FAIL**" in lines[1]
     assert "DDTree tau at T = 0 averages 1.10" in lines[0] and "DDTree tau at T = 0 averages 1.40" in lines[1]
+
+
+def test_a_run_of_the_tau_target_cell_alone_tabulates(tmp_path):
+    """No full-cell or latency rows (an overlay that runs only the tau-target cell): every table made
+    from them is empty with its columns, the target table and its tau line are made, and the command
+    takes no --cells."""
+    from impl.cli import main
+    from impl.provenance import write_jsonl
+    from impl.tev.report import ARMS_COLUMNS
+
+    target = (_target_rows("smollm2", "gsm8k", [(1.6, 2.4), (1.7, 2.6), (1.5, 2.5)])
+              + _target_rows("smollm2", "math500", [(1.5, 1.8), (1.8, 2.6), (1.6, 2.2)]))
+    tables = tev_tables([], [], [_summary()], target)
+    for name in ("tev_arms", "tev_main", "tev_objective", "tev_crossed", "tev_budget"):
+        assert len(tables[name]) == 0 and list(tables[name].columns) == list(ARMS_COLUMNS), name
+    assert len(tables["tev_claims"]) == 0 and len(tables["tev_calibration"]) == 0
+    assert len(tables["tev_target"]) == 6 and len(tables["tev_curve"]) == 5
+    write_jsonl(tmp_path / "target.jsonl", target)
+    (tmp_path / "train.json").write_text(__import__("json").dumps(_summary()))
+    out = tmp_path / "tables"
+    main(["tev-tables", "--train", str(tmp_path / "train.json"), "--target-cells", str(tmp_path / "target.jsonl"),
+          "--out-dir", str(out)])
+    text = "\n".join(report_section(out, out, out))
+    assert "- tau target on smollm2" in text and "- tau-target cell equals AR token for token: **PASS** (6 arm-cells)" in text
+    assert "every arm equals AR" not in text and "### Main table" not in text  # no full cells, no claim about them
+    assert "### Tau-target cell" in text and "### Base drafter learning curve" in text

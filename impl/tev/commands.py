@@ -207,7 +207,7 @@ def register(add) -> None:
     target_args(sp, "directory written by tev-train; its base/ drafter builds the trees")
     sp.add_argument("--out", required=True, help="output JSONL: one row per (budget, verifier)")
     sp = add("tev-tables", cmd_tev_tables, "TEV: main, objective, crossed, budget and latency tables", config=False)
-    sp.add_argument("--cells", nargs="+", required=True)
+    sp.add_argument("--cells", nargs="*", default=[], help="rows of tev-cell (the full cells; none: their tables are empty)")
     sp.add_argument("--latency", nargs="*", default=[])
     sp.add_argument("--train", nargs="*", default=[])
     sp.add_argument("--target-cells", nargs="*", default=[], help="rows of tev-cell --target (the tau-target cell)")

@@ -23,9 +23,17 @@ _PROV = {"run_id", "git_sha", "git_dirty", "config_hash", "seed", "device", "dty
          "transformers_version", "python_version", "host"}
 
 
+#: columns of :func:`_frame` (also those of a frame of no rows)
+_FRAME_COLUMNS = ("model", "suite", "arm", "temperature", "budget", "tables", "prompt_id", "tokens", "rounds", "tau_sum",
+                  "expected_tau_sum", "seconds", "ar_match", "verify_s", "commit_s")
+#: columns of :func:`arms_table`
+ARMS_COLUMNS = ("model", "suite", "temperature", "arm", "budget", "tables", "n_prompts", "tokens", "tau", "expected_tau",
+                "SR", "ar_match_all")
+
+
 def _frame(rows: list[dict]) -> pd.DataFrame:
     ok = [r for r in rows if "error" not in r]
-    return pd.DataFrame([{
+    return pd.DataFrame(columns=list(_FRAME_COLUMNS), data=[{
         "model": r.get("model"), "suite": r.get("suite"), "arm": r["arm"], "temperature": r["temperature"],
         "budget": r.get("budget"), "tables": ",".join(r.get("tables") or []), "prompt_id": r["prompt_id"],
         "tokens": r["n_new_tokens"], "rounds": r["rounds"], "tau_sum": sum(r["taus"]),
@@ -33,11 +41,12 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
         "seconds": r["seconds"], "ar_match": r.get("ar_match"),
         "verify_s": (r.get("stage_seconds") or {}).get("verify", np.nan),
         "commit_s": (r.get("stage_seconds") or {}).get("commit", np.nan),
-    } for r in ok])
+    } for r in ok] or None)
 
 
 def arms_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (model, suite, T, arm): tau (micro), expected tau 1 + C_p (micro), SR, verdicts."""
+    """Per (model, suite, T, arm): tau (micro), expected tau 1 + C_p (micro), SR, verdicts (columns
+    ``ARMS_COLUMNS``, also when ``df`` has no rows)."""
     out = []
     for (m, s, T), cell in df.groupby(["model", "suite", "temperature"], sort=False):
         ar_sec = cell[cell.arm == "ar"]["seconds"].sum()
@@ -49,7 +58,7 @@ def arms_table(df: pd.DataFrame) -> pd.DataFrame:
                         "expected_tau": g["expected_tau_sum"].sum() / rounds if g["expected_tau_sum"].notna().any() else np.nan,
                         "SR": ar_sec / g["seconds"].sum() if g["seconds"].sum() else np.nan,
                         "ar_match_all": bool(g["ar_match"].astype(bool).all()) if T == 0 else None})
-    return pd.DataFrame(out)
+    return pd.DataFrame(out, columns=list(ARMS_COLUMNS))
 
 
 def _per_prompt_tau(cell: pd.DataFrame, arm: str) -> pd.Series:
@@ -314,7 +323,10 @@ def _overfit_note(curve: pd.DataFrame, tol: float = 0.02) -> str:
 
 def tev_tables(rows: list[dict], latency: list[dict], summaries: list[dict],
                target: list[dict] = ()) -> dict[str, pd.DataFrame]:
-    """All TEV tables from raw rows (``target``: the tau-target cell's rows, ``tev-cell --target``)."""
+    """All TEV tables from raw rows (``target``: the tau-target cell's rows, ``tev-cell --target``).
+
+    Any input may be empty (a run of the tau-target cell alone has no full-cell or latency rows): the
+    tables made from it are then empty, and :func:`report_section` leaves them out."""
     df = _frame(rows)
     arms = arms_table(df)
     pick = lambda t: arms[arms["tables"].str.contains(t) | (arms.arm == "ar")].reset_index(drop=True)  # noqa: E731

@@ -98,9 +98,9 @@ def test_the_tau_line_names_overfitting_when_the_held_out_loss_rises():
 
 
 def _calibration_rows(diffs_by_arm):
-    """Per arm, 16 prompts whose tau - (1 + C_p) are the given differences (one round each)."""
+    """Per arm, 16 prompts whose walk - (1 + C_p) are the given differences (one round each)."""
     return pd.DataFrame([{"model": "smollm2", "temperature": 1.0, "arm": arm, "rounds": 1, "expected_tau": 1.5,
-                          "tau_sum": 1.5 + d, "expected_tau_sum": 1.5}
+                          "walk_sum": 1.5 + d, "tau_sum": 1.5 + d, "expected_tau_sum": 1.5}
                          for arm, ds in diffs_by_arm.items() for d in ds])
 
 
@@ -213,3 +213,29 @@ def test_a_run_of_the_tau_target_cell_alone_tabulates(tmp_path):
     assert "- tau target on smollm2" in text and "- tau-target cell equals AR token for token: **PASS** (6 arm-cells)" in text
     assert "every arm equals AR" not in text and "### Main table" not in text  # no full cells, no claim about them
     assert "### Tau-target cell" in text and "### Base drafter learning curve" in text
+
+
+def test_tau_counts_committed_tokens_and_calibration_the_uncut_walk():
+    """An answer that ends (EOS) inside a round's accepted walk: tau counts the tokens committed (the
+    rows' ``committed``), not the walk past the end (``taus``), which the exit law predicts and the
+    calibration check keeps reading. AR rows, with no ``committed``, count their taus."""
+    from impl.tev.report import _frame, arms_table, calibration_table
+
+    def row(arm, T, pid, taus, committed, cov=None):
+        return {"model": "smollm2", "suite": "gsm8k", "arm": arm, "temperature": T, "budget": 64, "tables": ["main"],
+                "prompt_id": pid, "n_new_tokens": sum(committed), "rounds": len(taus), "taus": taus,
+                "committed": committed, "seconds": 1.0, "ar_match": True,
+                **({"coverages": cov} if cov is not None else {})}
+
+    rows = [row("exittrain+tev", 0.0, "p0", [3], [1]),  # EOS first: 1 token committed, a walk of 3
+            row("exittrain+tev", 0.0, "p1", [4, 5], [4, 2]),  # EOS 2 tokens into the second walk
+            {**row("ar", 0.0, "p0", [1], [1]), "committed": None, "budget": 0},
+            {**row("ar", 0.0, "p1", [1] * 6, [1] * 6), "committed": None, "budget": 0}]
+    t = arms_table(_frame(rows)).set_index("arm")
+    assert t.at["exittrain+tev", "tau"] == pytest.approx(7 / 3) and t.at["exittrain+tev", "tokens"] == 7
+    assert t.at["ar", "tau"] == 1.0 and t.at["ar", "tokens"] == 7
+    # calibration at T > 0: the walk (3 + 5 per prompt) against 1 + C_p, not the cut tokens
+    sampled = [row("exittrain+tev", 1.0, f"p{i}", [3, 5], [3, 1], cov=[2.0, 4.0]) for i in range(4)]
+    cal = calibration_table(_frame(sampled))
+    assert cal["tau"].iloc[0] == pytest.approx(4.0) and cal["diff"].iloc[0] == pytest.approx(0.0)
+    assert bool(cal["calibrated"].iloc[0])

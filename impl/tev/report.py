@@ -2,8 +2,10 @@
 :func:`impl.tev.cell.run_tev_cell`, :func:`impl.tev.latency.verifier_latency` and the training
 summaries of ``tev-train``.
 
-Conventions: tau counts the bonus token; table values are micro averages over all rounds of a cell
-(sum of taus / rounds); paired comparisons use the per-prompt mean tau (the prompt is the paired
+Conventions: tau is the tokens a verification round commits, bonus counted, the walk cut where the
+output ends (EOS, ``max_new_tokens``; the rows' ``committed``); table values are micro averages over all
+rounds of a cell (committed tokens / rounds); ``expected_tau`` = 1 + C_p predicts the uncut walk (the
+rows' ``taus``), which the calibration check compares with the walk itself; paired comparisons use the per-prompt mean tau (the prompt is the paired
 unit) with a t-based 95% interval. SR (speedup ratio) is AR's wall time over the arm's, pooled over
 the cell's prompts, measured in the same run.
 """
@@ -25,7 +27,7 @@ _PROV = {"run_id", "git_sha", "git_dirty", "config_hash", "seed", "device", "dty
 
 #: columns of :func:`_frame` (also those of a frame of no rows)
 _FRAME_COLUMNS = ("model", "suite", "arm", "temperature", "budget", "tables", "prompt_id", "tokens", "rounds", "tau_sum",
-                  "expected_tau_sum", "seconds", "ar_match", "verify_s", "commit_s")
+                  "walk_sum", "expected_tau_sum", "seconds", "ar_match", "verify_s", "commit_s")
 #: columns of :func:`arms_table`
 ARMS_COLUMNS = ("model", "suite", "temperature", "arm", "budget", "tables", "n_prompts", "tokens", "tau", "expected_tau",
                 "SR", "ar_match_all")
@@ -36,7 +38,11 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(columns=list(_FRAME_COLUMNS), data=[{
         "model": r.get("model"), "suite": r.get("suite"), "arm": r["arm"], "temperature": r["temperature"],
         "budget": r.get("budget"), "tables": ",".join(r.get("tables") or []), "prompt_id": r["prompt_id"],
-        "tokens": r["n_new_tokens"], "rounds": r["rounds"], "tau_sum": sum(r["taus"]),
+        "tokens": r["n_new_tokens"], "rounds": r["rounds"],
+        # tau: tokens committed per round (the walk cut at EOS / max_new_tokens: what decoding gains); the
+        # walk itself (bonus counted, uncut) is what the exit law predicts (1 + C_p), so calibration reads it
+        "tau_sum": sum(r["committed"]) if r.get("committed") is not None else sum(r["taus"]),
+        "walk_sum": sum(r["taus"]),
         "expected_tau_sum": (len(r.get("coverages") or []) + sum(r.get("coverages") or [])) if r.get("coverages") else np.nan,
         "seconds": r["seconds"], "ar_match": r.get("ar_match"),
         "verify_s": (r.get("stage_seconds") or {}).get("verify", np.nan),
@@ -45,8 +51,9 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
 
 
 def arms_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (model, suite, T, arm): tau (micro), expected tau 1 + C_p (micro), SR, verdicts (columns
-    ``ARMS_COLUMNS``, also when ``df`` has no rows)."""
+    """Per (model, suite, T, arm): tau (micro: committed tokens / rounds), expected tau 1 + C_p (micro; the
+    exit law's prediction of the uncut walk, so above tau where an answer ends inside a round's walk), SR,
+    verdicts (columns ``ARMS_COLUMNS``, also when ``df`` has no rows)."""
     out = []
     for (m, s, T), cell in df.groupby(["model", "suite", "temperature"], sort=False):
         ar_sec = cell[cell.arm == "ar"]["seconds"].sum()
@@ -101,8 +108,8 @@ CALIBRATION_TOL = 0.05
 
 def calibration_table(df: pd.DataFrame) -> pd.DataFrame:
     """Exit-law calibration of every sampled arm (T > 0; TEV Eq. 11: E[tau] = 1 + C_p for every exact
-    verifier): observed mean tau vs mean 1 + C_p over its rounds, with a paired t interval over
-    prompts of (tau - (1 + C_p)) and its p-value.
+    verifier): observed mean walk length (the rows' ``taus``, not cut at EOS / ``max_new_tokens``) vs mean
+    1 + C_p over its rounds, with a paired t interval over prompts of (walk - (1 + C_p)) and its p-value.
 
     ``calibrated_per_pair``: the pair's own 95% interval contains 0 or |diff| < ``CALIBRATION_TOL``.
     ``calibrated`` (the self-check): the same with Holm's family-wise test over all of the model's
@@ -112,7 +119,7 @@ def calibration_table(df: pd.DataFrame) -> pd.DataFrame:
     out = []
     s = df[(df.temperature > 0) & df["expected_tau_sum"].notna()]
     for (m, T, arm), g in s.groupby(["model", "temperature", "arm"], sort=False):
-        obs = (g["tau_sum"] / g["rounds"]).to_numpy()
+        obs = (g["walk_sum"] / g["rounds"]).to_numpy()  # the uncut walk: Eq. 11 predicts it, not the EOS cut
         exp = (g["expected_tau_sum"] / g["rounds"]).to_numpy()
         r = paired_difference(exp, obs)
         out.append({"model": m, "temperature": T, "arm": arm, "n": r.n, "tau": obs.mean(), "expected_tau": exp.mean(),
@@ -455,8 +462,10 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
         ok = bool(target["ar_match_all"].astype(str).str.lower().eq("true").all())
         lines.append(f"- tau-target cell equals AR token for token: **{'PASS' if ok else 'FAIL'}** ({len(target)} arm-cells)")
     lines += _tau_target_lines(arms, curve, target)
-    lines += ["", "tau = tokens committed per target verification round, bonus included, micro average over "
-              "rounds; SR = AR wall time / arm wall time in the same run (this CPU).", ""]
+    lines += ["", "tau = tokens committed per target verification round, bonus included, cut where the answer "
+              "ends (EOS or max_new_tokens), micro average over rounds; expected_tau = 1 + C_p, the exit law's "
+              "prediction of the uncut walk (the calibration check compares the walk with it); SR = AR wall time / "
+              "arm wall time in the same run (this CPU).", ""]
     for name, cap in (("tev_main", "Main table (Table 1 shape)"), ("tev_objective", "Objective ablation (Table 2 shape)"),
                       ("tev_crossed", "Crossed drafter x verifier at T > 0 (Table 4 shape)"),
                       ("tev_budget", "Budget robustness (Table 5 shape)"),

@@ -28,6 +28,8 @@ from statsmodels.stats.multitest import multipletests
 
 __all__ = [
     "PairedResult",
+    "RatioResult",
+    "ratio_estimate",
     "paired_difference",
     "one_sample",
     "percent_change",
@@ -319,6 +321,57 @@ def ratio_of_means(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndar
     if den == 0.0:
         raise ValueError("ratio_of_means: mean(a) is zero (zero denominator)")
     return float(np.mean(bb)) / den
+
+
+@dataclass(frozen=True)
+class RatioResult:
+    """A ratio of totals over clusters with its t-based interval (:func:`ratio_estimate`)."""
+
+    n: int  # clusters (e.g. prompts)
+    ratio: float  # sum(num) / sum(den)
+    se: float  # linearised standard error; NaN for n == 1
+    ci_low: float
+    ci_high: float
+    confidence: float
+
+
+def ratio_estimate(num: Sequence[float] | np.ndarray, den: Sequence[float] | np.ndarray,
+                   confidence: float = 0.95) -> RatioResult:
+    """Ratio of totals ``R = sum(num) / sum(den)`` over n clusters with a t interval from the linearised
+    (delta-method) variance of the ratio estimator, clusters independent:
+    ``se = sqrt(sum((num_i - R den_i)^2) / (n (n - 1))) / mean(den)``, ``R +/- t_{n-1} se``.
+
+    The interval of a micro average (e.g. tau = committed tokens / verification rounds over a cell's
+    prompts, each prompt one cluster): a prompt weighs by its rounds, as in the micro average itself,
+    where a per-prompt mean weighs a one-round answer as much as a 64-token one.
+
+    Args:
+        num, den: 1-D array-likes of equal length n >= 1 (per cluster totals; e.g. tokens and rounds).
+        confidence: two-sided level in (0, 1).
+
+    Returns:
+        :class:`RatioResult`; n == 1: se and the interval are NaN. All residuals zero: a zero-width interval.
+
+    Raises:
+        ValueError: empty, unequal lengths, NaN/inf, ``sum(den) == 0`` or a bad ``confidence``.
+
+    Source: Cochran, *Sampling Techniques* (3rd ed.), Sec. 6.3-6.4 (variance of the ratio estimator).
+    """
+    c = _check_confidence(confidence)
+    x, y = _as_1d(num, "num"), _as_1d(den, "den")
+    n = _check_lengths(num=x, den=y)
+    if n == 0:
+        raise ValueError("ratio_estimate needs at least one cluster (n = 0)")
+    if float(y.sum()) == 0.0:
+        raise ValueError("ratio_estimate: sum(den) is zero (zero denominator)")
+    r = float(x.sum() / y.sum())
+    nan = float("nan")
+    if n == 1:
+        return RatioResult(1, r, nan, nan, nan, c)
+    resid = x - r * y
+    se = float(math.sqrt(float((resid ** 2).sum()) / (n * (n - 1))) / float(y.mean()))
+    h = float(_sst.t.ppf(0.5 + c / 2, n - 1)) * se
+    return RatioResult(n, r, se, r - h, r + h, c)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ the verifier-latency verdicts per model with its vocabulary size."""
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -153,8 +154,9 @@ def test_the_tau_target_cell_reads_more_prompts_with_intervals(tmp_path):
         df.to_csv(tmp_path / f"{name}.csv", index=False)
     text = "\n".join(report_section(tmp_path, tmp_path, tmp_path))
     line = next(x for x in text.splitlines() if x.startswith("- tau target on smollm2"))
-    assert "**PASS**" in line and "gsm8k 2.50 (3 prompts, 36 tokens; per-prompt mean 2.50 [" in line
-    assert "lies at or above 2 on 1 of 3 workloads" in line  # gsm8k's interval clears 2.0; math500's does not
+    # every prompt 4 rounds: the micro tau's interval is the per-prompt mean's
+    assert "**PASS**" in line and "gsm8k 2.50 [2.25, 2.75] (3 prompts, 36 tokens; per-prompt mean 2.50 [2.25, 2.75])" in line
+    assert "lies at or above 2 on 1 of 3 workloads, the per-prompt mean's on 1" in line  # gsm8k clears 2.0; math500 not
     assert "**PASS** by the micro tau, **not resolved**: 1 workload(s) clear 2 at 95%, 2 needed" in line
     # a curve already above the target says that steps are not what is missing
     curve = curve_table([_summary(curve=((0, 1.0), (100, 2.2), (200, 2.4)))])
@@ -239,3 +241,38 @@ def test_tau_counts_committed_tokens_and_calibration_the_uncut_walk():
     cal = calibration_table(_frame(sampled))
     assert cal["tau"].iloc[0] == pytest.approx(4.0) and cal["diff"].iloc[0] == pytest.approx(0.0)
     assert bool(cal["calibrated"].iloc[0])
+
+
+def test_the_micro_tau_interval_weighs_prompts_by_rounds():
+    """Answers that end at once (one round, tau 1 whatever the drafter) weigh one round each in the
+    micro tau and its interval, but a whole prompt each in the per-prompt mean: with half the prompts
+    such, the per-prompt interval reaches below 2 while the micro tau's clears it."""
+    def rows(pid, rounds, tau):
+        return [{"model": "smollm2", "suite": "math500", "arm": arm, "temperature": 0.0, "budget": 0 if arm == "ar" else 64,
+                 "tables": ["target"], "prompt_id": pid, "n_new_tokens": rounds * tau, "rounds": rounds if arm != "ar" else rounds * tau,
+                 "taus": [tau if arm != "ar" else 1] * (rounds if arm != "ar" else rounds * tau), "seconds": 1.0, "ar_match": True}
+                for arm in ("ar", "ddtree", "exittrain+tev")]
+
+    target = [r for i in range(4) for r in rows(f"one{i}", 1, 1)]
+    target += [r for i, t in enumerate((3, 3, 4, 3)) for r in rows(f"long{i}", 16, t)]
+    t = tev_tables([], [], [], target)["tev_target"].set_index("arm").loc["exittrain+tev"]
+    assert t["tau"] == pytest.approx((4 + 16 * 13) / (4 + 64))
+    assert t["tau_ci_low"] > 2.0 > t["ci_low"] and t["tau_prompt_mean"] == pytest.approx((4 + 13) / 8)
+
+
+def test_ratio_estimate_matches_the_linearised_variance():
+    from impl.stats import ratio_estimate
+
+    num, den = np.array([3.0, 40.0, 20.0, 1.0]), np.array([1.0, 16.0, 10.0, 1.0])
+    r = ratio_estimate(num, den)
+    R = num.sum() / den.sum()
+    se = math.sqrt(((num - R * den) ** 2).sum() / (4 * 3)) / den.mean()
+    from scipy import stats
+
+    assert r.ratio == pytest.approx(R) and r.se == pytest.approx(se)
+    assert r.ci_high - r.ratio == pytest.approx(stats.t.ppf(0.975, 3) * se)
+    assert math.isnan(ratio_estimate([2.0], [1.0]).ci_low)
+    assert ratio_estimate([2.0, 4.0], [1.0, 2.0]).ci_low == pytest.approx(2.0)  # proportional: zero width
+    for bad in (([], []), ([1.0], [1.0, 2.0]), ([1.0], [0.0]), ([float("nan")], [1.0])):
+        with pytest.raises(ValueError):
+            ratio_estimate(*bad)

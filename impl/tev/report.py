@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..stats import holm_reject, one_sample, paired_difference
+from ..stats import holm_reject, one_sample, paired_difference, ratio_estimate
 
 _PROV = {"run_id", "git_sha", "git_dirty", "config_hash", "seed", "device", "dtype", "torch_version",
          "transformers_version", "python_version", "host"}
@@ -218,8 +218,11 @@ def steps_to_reach(curve: pd.DataFrame, tau: float = TAU_TARGET, column: str = "
 
 def target_table(df: pd.DataFrame) -> pd.DataFrame:
     """The tau-target cell (``tev.target_prompts``) per (model, suite, arm) at T = 0: the arms table's
-    micro tau, tokens and AR check (its ``tables`` column dropped), plus the per-prompt mean tau with its
-    t-based 95% interval over prompts (``tau_prompt_mean``, ``ci_low``, ``ci_high``) and, for every arm but
+    micro tau, tokens and AR check (its ``tables`` column dropped), the micro tau's 95% interval over prompts
+    (``tau_ci_low``, ``tau_ci_high``: :func:`impl.stats.ratio_estimate` of committed tokens over rounds, each
+    prompt a cluster weighing by its rounds), the per-prompt mean tau with its t-based 95% interval
+    (``tau_prompt_mean``, ``ci_low``, ``ci_high``: every prompt weighs the same, a one-token answer as much
+    as a 64-token one) and, for every arm but
     AR and DDTree, the paired difference to DDTree (``diff_vs_ddtree`` with ``diff_ci_low`` /
     ``diff_ci_high``; NaN for those two). An empty ``df`` gives an empty frame."""
     if not len(df):
@@ -230,7 +233,10 @@ def target_table(df: pd.DataFrame) -> pd.DataFrame:
         cell = df[(df.model == r.model) & (df.suite == r.suite) & (df.temperature == r.temperature)]
         per = _per_prompt_tau(cell, r.arm)
         one = one_sample(per.to_numpy()) if len(per) >= 2 else None
-        row = {"tau_prompt_mean": float(per.mean()) if len(per) else np.nan,
+        g = cell[cell.arm == r.arm]
+        ratio = ratio_estimate(g["tau_sum"].to_numpy(float), g["rounds"].to_numpy(float)) if len(g) else None
+        row = {"tau_ci_low": ratio.ci_low if ratio else np.nan, "tau_ci_high": ratio.ci_high if ratio else np.nan,
+               "tau_prompt_mean": float(per.mean()) if len(per) else np.nan,
                "ci_low": one.ci_low if one else np.nan, "ci_high": one.ci_high if one else np.nan}
         base = _per_prompt_tau(cell, "ddtree")
         common = per.index.intersection(base.index)
@@ -247,9 +253,10 @@ def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame, target: pd.DataFr
     below), what the base drafter's learning curve projects.
 
     With the tau-target cell's table (``target``, :func:`target_table`) the line reads it instead of the
-    full cells (more prompts) and adds each workload's per-prompt 95% interval and how many workloads
-    have the interval's lower end at or above the target; a PASS by the micro tau with fewer such
-    workloads than the rule needs reads "not resolved" and gets the learning-curve clauses."""
+    full cells (more prompts) and adds each workload's 95% interval of the micro tau (the statistic the
+    target is set on; prompts as clusters, :func:`impl.stats.ratio_estimate`) and of the per-prompt mean, and
+    how many workloads have the micro tau's interval at or above the target; a PASS by the micro tau with
+    fewer such workloads than the rule needs reads "not resolved" and gets the learning-curve clauses."""
     out = []
     use_target = target is not None and len(target) > 0
     src = target if use_target else arms
@@ -261,11 +268,14 @@ def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame, target: pd.DataFr
         ok = len(hit) >= TAU_TARGET_WORKLOADS
         # each workload's tau with the tokens it rests on (a short or degenerate output moves it alone)
         if use_target:
-            taus = ", ".join(f"{r.suite} {r.tau:.2f} ({int(r.n_prompts)} prompts, {int(r.tokens)} tokens; per-prompt "
-                             f"mean {r.tau_prompt_mean:.2f} [{r.ci_low:.2f}, {r.ci_high:.2f}])" for r in g.itertuples())
-            above = int((g["ci_low"] >= TAU_TARGET).sum())
-            taus += (f"; the per-prompt interval lies at or above {TAU_TARGET:g} on {above} of {len(g)} workloads "
-                     f"(the tau-target cell, tev.target_prompts)")
+            taus = ", ".join(f"{r.suite} {r.tau:.2f} [{r.tau_ci_low:.2f}, {r.tau_ci_high:.2f}] ({int(r.n_prompts)} "
+                             f"prompts, {int(r.tokens)} tokens; per-prompt mean {r.tau_prompt_mean:.2f} "
+                             f"[{r.ci_low:.2f}, {r.ci_high:.2f}])" for r in g.itertuples())
+            above = int((g["tau_ci_low"] >= TAU_TARGET).sum())
+            per_prompt = int((g["ci_low"] >= TAU_TARGET).sum())
+            taus += (f"; the micro tau's 95% interval (prompts as clusters) lies at or above {TAU_TARGET:g} on {above} "
+                     f"of {len(g)} workloads, the per-prompt mean's on {per_prompt} (the tau-target cell, "
+                     f"tev.target_prompts)")
         else:
             taus = ", ".join(f"{r.suite} {r.tau:.2f}" + (f" ({int(r.tokens)} tokens)" if "tokens" in g else "")
                              for r in g.itertuples())

@@ -369,7 +369,7 @@ def ratio_estimate(num: Sequence[float] | np.ndarray, den: Sequence[float] | np.
     if n == 1:
         return RatioResult(1, r, nan, nan, nan, c)
     resid = x - r * y
-    se = float(math.sqrt(float((resid ** 2).sum()) / (n * (n - 1))) / float(y.mean()))
+    se = math.sqrt(float((resid ** 2).sum()) / (n * (n - 1))) / float(y.mean())
     h = float(_sst.t.ppf(0.5 + c / 2, n - 1)) * se
     return RatioResult(n, r, se, r - h, r + h, c)
 

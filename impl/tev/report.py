@@ -5,8 +5,8 @@ summaries of ``tev-train``.
 Conventions: tau is the tokens a verification round commits, bonus counted, the walk cut where the
 output ends (EOS, ``max_new_tokens``; the rows' ``committed``); table values are micro averages over all
 rounds of a cell (committed tokens / rounds); ``expected_tau`` = 1 + C_p predicts the uncut walk (the
-rows' ``taus``), which the calibration check compares with the walk itself; paired comparisons use the per-prompt mean tau (the prompt is the paired
-unit) with a t-based 95% interval. SR (speedup ratio) is AR's wall time over the arm's, pooled over
+rows' ``taus``), which the calibration check compares with the walk itself; paired comparisons use the
+per-prompt mean tau (the prompt is the paired unit) with a t-based 95% interval. SR (speedup ratio) is AR's wall time over the arm's, pooled over
 the cell's prompts, measured in the same run.
 """
 

@@ -49,8 +49,8 @@ def _arm_rows(model, taus):
         for arm, t in (("ar", 1.0), ("exittrain+tev", tau)):
             rows.append({"model": model, "suite": suite, "arm": arm, "temperature": 0.0, "budget": 0 if arm == "ar" else 64,
                          "tables": ["main"], "prompt_id": "p0", "n_new_tokens": 8, "rounds": 4,
-                         "taus": [t] * 4, "seconds": 1.0, "ar_match": True,
-                         **({"coverages": [t - 1] * 4} if arm != "ar" else {})})
+                         "taus": [t] * 4, "seconds": 1.0, "ar_match": True, "cell": "target",
+                         **({"coverages": [t - 1] * 4, "committed": [t] * 4} if arm != "ar" else {})})
     return rows
 
 
@@ -131,8 +131,8 @@ def _target_rows(model, suite, per_prompt):
         for arm, t in (("ar", 1.0), ("ddtree", t_dd), ("exittrain+tev", t_ex)):
             rows.append({"model": model, "suite": suite, "arm": arm, "temperature": 0.0, "budget": 0 if arm == "ar" else 64,
                          "tables": ["target"], "prompt_id": f"p{i}", "n_new_tokens": 12, "rounds": 4,
-                         "taus": [t] * 4, "seconds": 1.0, "ar_match": True,
-                         **({"coverages": [t - 1] * 4} if arm != "ar" else {})})
+                         "taus": [t] * 4, "seconds": 1.0, "ar_match": True, "cell": "target",
+                         **({"coverages": [t - 1] * 4, "committed": [t] * 4} if arm != "ar" else {})})
     return rows
 
 
@@ -276,3 +276,91 @@ def test_ratio_estimate_matches_the_linearised_variance():
     for bad in (([], []), ([1.0], [1.0, 2.0]), ([1.0], [0.0]), ([float("nan")], [1.0])):
         with pytest.raises(ValueError):
             ratio_estimate(*bad)
+
+
+def _target_file_rows() -> list[dict]:
+    return _target_rows("smollm2", "gsm8k", [(1.6, 2.4), (1.7, 2.6), (1.5, 2.5)])
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("empty", "no rows"),
+    ("twice", "already in"),
+    ("array", "row 1: not a JSON object"),
+    ("no_arm", "missing column(s) 'arm'"),
+    ("no_committed", "missing column(s) 'committed'"),
+    ("full_as_target", "a row of the full cells given as --target-cells"),
+])
+def test_tev_tables_rejects_bad_rows_naming_file_and_row(tmp_path, capsys, case, needle):
+    """Bad rows fail with one line naming the file (and row) before any table is written; a file given
+    twice is refused (its prompts would count twice and narrow the tau target's interval)."""
+    import json
+
+    from impl.cli import main
+    from impl.provenance import write_jsonl
+
+    rows = _target_file_rows()
+    f = tmp_path / "target.jsonl"
+    files = [str(f)]
+    if case == "empty":
+        f.write_text("")
+    elif case == "array":
+        f.write_text("[1, 2]\n" + "\n".join(json.dumps(r) for r in rows) + "\n")
+    else:
+        if case == "no_arm":
+            rows[0].pop("arm")
+        elif case == "no_committed":
+            rows = [r for r in rows if r["arm"] != "ar"]
+            rows[0].pop("committed")
+        elif case == "full_as_target":
+            rows = [{k: v for k, v in r.items() if k != "cell"} for r in rows]
+        elif case == "twice":
+            files = [str(f), str(f)]
+        write_jsonl(f, rows)
+    out = tmp_path / "tables"
+    with pytest.raises(SystemExit) as e:
+        main(["tev-tables", "--target-cells", *files, "--out-dir", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(f) in err and "Traceback" not in err, err
+    assert not out.exists()  # nothing written
+
+
+def test_tev_tables_bad_train_and_out_dir_name_the_flag(tmp_path, capsys):
+    """A --train file that is missing, not JSON, or not a summary, two summaries of one model, and an
+    --out-dir that is a file each fail with one line naming the flag or file; target rows given as
+    --cells are refused."""
+    import json
+
+    from impl.cli import main
+    from impl.provenance import write_jsonl
+
+    write_jsonl(tmp_path / "target.jsonl", _target_file_rows())
+    (tmp_path / "bad.json").write_text("{oops")
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "s.json").write_text(json.dumps(_summary()))
+    (tmp_path / "file").write_text("x")
+    cases = [(["--train", str(tmp_path / "missing.json")], "--train"),
+             (["--train", str(tmp_path / "bad.json")], "not a JSON document"),
+             (["--train", str(tmp_path / "list.json")], "not a tev-train summary"),
+             (["--train", str(tmp_path / "s.json"), str(tmp_path / "s.json")], "a second training summary"),
+             (["--cells", str(tmp_path / "target.jsonl")], "given as --cells")]
+    for args, needle in cases:
+        with pytest.raises(SystemExit):
+            main(["tev-tables", *args, "--out-dir", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, (args, err)
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit):
+        main(["tev-tables", "--target-cells", str(tmp_path / "target.jsonl"), "--out-dir", str(tmp_path / "file")])
+    assert "--out-dir" in capsys.readouterr().err
+
+
+def test_the_tau_line_names_the_missing_rollout_sources():
+    """The projection's caveat names the workloads whose prompt source the drafter's rollouts lack, and
+    says none is lacking for a drafter trained on every workload's source."""
+    from impl.tev.report import _missing_sources
+
+    suites = ["mt_bench", "humaneval", "gsm8k", "math500"]
+    assert _missing_sources("sharegpt 320 + gsm8k 320", suites) == "rollouts like humaneval, math500 are the missing data"
+    assert "not a missing source" in _missing_sources("sharegpt 192 + gsm8k 128 + math500 192 + humaneval 128", suites)
+    assert "mt_bench" in _missing_sources("gsm8k 10", ["mt_bench", "gsm8k"])

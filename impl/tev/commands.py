@@ -172,14 +172,38 @@ def cmd_tev_latency(args) -> None:
 def cmd_tev_tables(args) -> None:
     from ..provenance import read_jsonl
     from ..report.tables import write_table
-    from .report import tev_tables
+    from .report import check_rows, check_summaries, tev_tables
 
-    rows = [r for f in args.cells for r in read_jsonl(f)]
-    latency = [r for f in args.latency for r in read_jsonl(f)]
-    summaries = [json.loads(Path(f).read_text()) for f in args.train]
-    target = [r for f in args.target_cells for r in read_jsonl(f)]
+    out_dir = Path(args.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out-dir {out_dir}: exists and is not a directory")
+    if args.report_section and not (Path(args.report_section).parent.is_dir()
+                                    or Path(args.report_section).parent.resolve() == out_dir.resolve()):
+        raise ValueError(f"--report-section {args.report_section}: its folder does not exist")
+    # every input read and checked before any table is written (a bad file leaves no partial output)
+    rows = check_rows([(f, read_jsonl(f)) for f in args.cells], "cells")
+    latency = check_rows([(f, read_jsonl(f)) for f in args.latency], "latency")
+    target = check_rows([(f, read_jsonl(f)) for f in args.target_cells], "target")
+    summaries = check_summaries([(f, _read_json(f, "--train")) for f in args.train])
     for name, df in tev_tables(rows, latency, summaries, target).items():
-        write_table(df, Path(args.out_dir) / name)
+        write_table(df, out_dir / name)
+    if args.report_section:  # the report's TEV section from these tables, links relative to its folder
+        from ..provenance import write_text
+        from .report import report_section
+
+        dest = Path(args.report_section)
+        write_text(dest, "\n".join(report_section(out_dir, out_dir, dest.parent)) + "\n")
+
+
+def _read_json(path: str, flag: str) -> object:
+    """One JSON document; FileNotFoundError / ValueError naming ``flag`` and the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{flag} {p}: no such file")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {p}: not a JSON document ({e})") from None
 
 
 def register(add) -> None:
@@ -206,9 +230,17 @@ def register(add) -> None:
     sp = add("tev-latency", cmd_tev_latency, "TEV: verifier-stage latency on the same realised trees (Table 3)")
     target_args(sp, "directory written by tev-train; its base/ drafter builds the trees")
     sp.add_argument("--out", required=True, help="output JSONL: one row per (budget, verifier)")
-    sp = add("tev-tables", cmd_tev_tables, "TEV: main, objective, crossed, budget and latency tables", config=False)
-    sp.add_argument("--cells", nargs="*", default=[], help="rows of tev-cell (the full cells; none: their tables are empty)")
-    sp.add_argument("--latency", nargs="*", default=[])
-    sp.add_argument("--train", nargs="*", default=[])
-    sp.add_argument("--target-cells", nargs="*", default=[], help="rows of tev-cell --target (the tau-target cell)")
-    sp.add_argument("--out-dir", required=True)
+    sp = add("tev-tables", cmd_tev_tables,
+             "TEV: every table (tev_arms, tev_main, tev_objective, tev_crossed, tev_budget, tev_claims, "
+             "tev_calibration, tev_latency, tev_training, tev_curve, tev_target) as .md and .csv; a table whose "
+             "input is not given is written empty with its columns", config=False)
+    sp.add_argument("--cells", nargs="*", default=[],
+                    help="rows of tev-cell, one file per workload of one run (the full cells; none: their tables are empty)")
+    sp.add_argument("--latency", nargs="*", default=[], help="rows of tev-latency (Table 3; none: tev_latency is empty)")
+    sp.add_argument("--train", nargs="*", default=[],
+                    help="tev-train summaries, one per model (tev_training, tev_curve; none: both empty)")
+    sp.add_argument("--target-cells", nargs="*", default=[],
+                    help="rows of tev-cell --target, one file per workload of one run (the tau-target cell)")
+    sp.add_argument("--out-dir", required=True, help="directory for the tables (created; existing tables replaced)")
+    sp.add_argument("--report-section", default=None,
+                    help="also write the report's TEV section (Markdown) made from these tables to this file")

@@ -50,6 +50,84 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
     } for r in ok] or None)
 
 
+#: the columns a row of each kind of input must have (``kind`` of :func:`check_rows`); a tree arm's cell row
+#: also needs ``committed`` (the tokens each round committed: tau), an AR row's ``taus`` are its tokens
+ROW_COLUMNS = {
+    "cells": ("model", "suite", "arm", "temperature", "budget", "prompt_id", "n_new_tokens", "rounds", "taus", "seconds"),
+    "target": ("model", "suite", "arm", "temperature", "budget", "prompt_id", "n_new_tokens", "rounds", "taus", "seconds"),
+    "latency": ("model", "budget", "verifier", "vocab_size", "temperature"),
+}
+#: the columns that name one measurement: two rows of one kind with the same values are the same row twice
+_ROW_KEYS = {
+    "cells": ("model", "suite", "arm", "temperature", "budget", "prompt_id"),
+    "target": ("model", "suite", "arm", "temperature", "budget", "prompt_id"),
+    "latency": ("model", "budget", "verifier", "vocab_size", "restricted", "temperature", "timing"),
+}
+
+
+def check_rows(files: list[tuple[str, list]], kind: str) -> list[dict]:
+    """Check the raw rows given to :func:`tev_tables` as one kind of input and return them in one list.
+
+    Args:
+        files: ``[(path, rows)]`` in the order given, each file's rows in order (``impl.provenance.read_jsonl``).
+        kind: ``"cells"`` (``tev-cell``), ``"target"`` (``tev-cell --target``) or ``"latency"`` (``tev-latency``).
+
+    Raises:
+        ValueError: naming the file and row (1-based) of the first row that is not a JSON object, lacks a
+            column of ``ROW_COLUMNS[kind]`` (a tree arm's cell row: also ``committed``), or is of the other
+            cell kind (rows of ``tev-cell --target`` given as full cells or the reverse); naming a file with
+            no rows; naming the two files of a row that is there twice (the same file or workload given
+            twice: its prompts would count twice and narrow every interval). Rows of different configs are
+            accepted (the DAG keeps a cell whose settings did not change when another cell is added).
+    """
+    out: list[dict] = []
+    seen: dict[tuple, str] = {}
+    for path, rows in files:
+        if not rows:
+            raise ValueError(f"{path}: no rows (an empty {kind} file)")
+        for i, r in enumerate(rows, 1):
+            where = f"{path}: row {i}"
+            if not isinstance(r, dict):
+                raise ValueError(f"{where}: not a JSON object")
+            if "error" in r:  # a row that records a failed arm: kept, tabulated as missing
+                out.append(r)
+                continue
+            need = ROW_COLUMNS[kind] + (("committed",) if kind in ("cells", "target") and r.get("arm") != "ar" else ())
+            missing = [c for c in need if c not in r]
+            if missing:
+                raise ValueError(f"{where}: missing column(s) {', '.join(map(repr, missing))} (not a {kind} row)")
+            if kind in ("cells", "target") and (r.get("cell") == "target") != (kind == "target"):
+                raise ValueError(f"{where}: a row of {'tev-cell --target' if r.get('cell') == 'target' else 'the full cells'}"
+                                 f" given as {'--target-cells' if kind == 'target' else '--cells'}")
+            key = tuple(r.get(k) for k in _ROW_KEYS[kind])
+            if key in seen:
+                raise ValueError(f"{where}: the same {kind} row ({', '.join(f'{k}={v}' for k, v in zip(_ROW_KEYS[kind], key))}) "
+                                 f"is already in {seen[key]}: a file or workload given twice")
+            seen[key] = path
+            out.append(r)
+    return out
+
+
+def check_summaries(files: list[tuple[str, object]]) -> list[dict]:
+    """Check ``tev-train`` summaries (``[(path, parsed JSON)]``) and return them in order.
+
+    Raises:
+        ValueError: naming the file of a summary that is not a JSON object with a ``summaries`` object, or
+            two files that train the same model (the training and curve tables could not tell them apart).
+    """
+    out, models = [], {}
+    for path, s in files:
+        if not isinstance(s, dict) or not isinstance(s.get("summaries"), dict) or not (s.get("model") or s.get("model_dir")):
+            raise ValueError(f"{path}: not a tev-train summary (a JSON object with 'summaries' and 'model_dir')")
+        m = _model_name(s)
+        if m in models:
+            raise ValueError(f"{path}: a second training summary of model {m!r} (the first: {models[m]}); "
+                             "tabulate one run's summaries at a time")
+        models[m] = path
+        out.append(s)
+    return out
+
+
 def arms_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per (model, suite, T, arm): tau (micro: committed tokens / rounds), expected tau 1 + C_p (micro; the
     exit law's prediction of the uncut walk, so above tau where an answer ends inside a round's walk), SR,
@@ -314,11 +392,26 @@ def _tau_target_lines(arms: pd.DataFrame, curve: pd.DataFrame, target: pd.DataFr
                 line += (f"; the curve is on held-out rollouts of the drafter's training prompts ({sources}): with "
                          f"the same base drafter the cells' DDTree tau at T = 0 averages {float(base['tau'].mean()):.2f} on "
                          f"these workloads against {float(cm.sort_values('step')['tree_tau'].iloc[-1]):.2f} there, so "
-                         "for them the projection is optimistic (workload-like rollouts are the missing data)")
+                         f"for them the projection is optimistic ({_missing_sources(sources, base['suite'])})")
         if short and len(cm) and "loss" in cm:
             line += _overfit_note(cm)
         out.append(line)
     return out
+
+
+#: the rollout prompt source (``tev.drafter.prompt_mix`` key) nearest each workload; a workload not named is its own
+WORKLOAD_SOURCES = {"mt_bench": "sharegpt"}
+
+
+def _missing_sources(sources: str, suites) -> str:
+    """The tau line's clause on the drafter's data: the workloads whose prompt source the rollouts
+    (``sources``, :func:`prompt_sources`' string) lack, or that none is lacking."""
+    have = {part.split()[0] for part in sources.split(" + ") if part.strip()}
+    missing = [s for s in dict.fromkeys(suites) if WORKLOAD_SOURCES.get(s, s) not in have]
+    if missing:
+        return f"rollouts like {', '.join(missing)} are the missing data"
+    return ("the rollouts already draw on every workload's prompt source, so the gap is between held-out rollouts "
+            "and the workloads' frozen samples, not a missing source")
 
 
 def _overfit_note(curve: pd.DataFrame, tol: float = 0.02) -> str:
@@ -434,7 +527,13 @@ def _tau_agreement(lat: pd.DataFrame, z: float = 1.96) -> list[str]:
 
 
 def report_section(tables_dir, figures_dir, base) -> list[str]:
-    """Markdown lines of the TEV section of REPORT.md."""
+    """Markdown lines of the TEV section of REPORT.md from the tables :func:`tev_tables` wrote.
+
+    Args:
+        tables_dir: the folder of the ``tev_*.csv`` tables (missing or empty tables: their parts are left out).
+        figures_dir: unused by this section (the report's section signature).
+        base: the folder the report is written to; links to the tables are relative to it.
+    """
     td, base = Path(tables_dir), Path(base)
     rel = lambda p: os.path.relpath(p, base).replace(os.sep, "/")  # noqa: E731
 
@@ -495,7 +594,8 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
         lines += ["", md(claims), ""]
     if len(cal):
         lines += ["### Exit-law calibration (T > 0)", "", md(cal), ""]
-    lines += ["Tables: " + ", ".join(f"[{p.stem}]({rel(p)})" for p in sorted(td.glob("tev_*.csv"))), ""]
+    made = [p for p in sorted(td.glob("tev_*.csv")) if len(read(p.stem))]  # an empty table (no input) is left out
+    lines += ["Tables: " + ", ".join(f"[{p.stem}]({rel(p)})" for p in made), ""]
     return lines
 
 

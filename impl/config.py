@@ -58,6 +58,19 @@ def _plugin_schemas() -> dict[str, Any]:
     return {name: CONFIG_SECTIONS[name].SECTION for name in CONFIG_SECTIONS}
 
 
+def _drop_null_optionals(cfg: dict) -> dict:
+    """``cfg`` without the sections' optional keys given as null (a section module's ``OPTIONAL_KEYS``: keys
+    whose absence means off or the default), so that an overlay's ``key: null`` turns off what an earlier
+    config file set. Other nulls stay (where null is a value, e.g. ``vskipper.sglang.max_total_tokens``)."""
+    out = dict(cfg)
+    for name in CONFIG_SECTIONS:
+        sec = out.get(name)
+        keys = getattr(_section_module(name), "OPTIONAL_KEYS", ())
+        if isinstance(sec, dict) and any(k in sec and sec[k] is None for k in keys):
+            out[name] = {k: v for k, v in sec.items() if not (k in keys and v is None)}
+    return out
+
+
 def _merge(defaults: dict, cfg: dict) -> dict:
     out = copy.deepcopy(defaults)
     for k, v in cfg.items():
@@ -112,6 +125,7 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
     if not isinstance(cfg, dict):
         raise ConfigError("config: top level must be a mapping")
     _check_finite(cfg, "")
+    cfg = _drop_null_optionals(cfg)
     validator = jsonschema.Draft202012Validator(full_schema())
     errors = sorted(validator.iter_errors(cfg), key=lambda e: (len(list(e.absolute_path)), str(e.absolute_path)))
     if errors:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Create ./.venv-sglang: upstream SGLang (pinned) in its own environment, for SGLang's serving benchmark
-# client (`python -m sglang.bench_serving`, the client of the vSkipper paper) and, later, SGLang's server.
-# SGLang pins its own torch (2.14.1 with CUDA wheels, about 11 GB in all), so it cannot share ./.venv.
-# Idempotent: re-installs only when the pin below changes. Point the harness at it with
-#   vskipper.http.bench_serving.python: .venv-sglang/bin/python      (configs/bench_serving.yaml)
+# Create ./.venv-sglang: upstream SGLang (pinned) in its own environment, for SGLang's server (the upstream and
+# routed vSkipper arms on SGLang) and its serving benchmark client (`python -m sglang.bench_serving`, the client
+# of the vSkipper paper). SGLang pins its own torch (2.14.1 with CUDA wheels, about 11 GB in all), so it cannot
+# share ./.venv. Idempotent: re-installs only when the pin below changes. PYTHON=/path/to/python3.11 picks the
+# interpreter the venv is made from (default python3). On a cluster, run it once on a node with internet, on a
+# filesystem the compute nodes see, and give the absolute path in the config. Point the harness at it with
+#   vskipper.sglang.python: .venv-sglang/bin/python                  (the SGLang arms: configs/sglang.yaml)
+#   vskipper.http.bench_serving.python: .venv-sglang/bin/python      (SGLang's client: configs/bench_serving.yaml)
 # or `python -m impl vskipper-http-check ... --sglang-python .venv-sglang/bin/python`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -183,6 +183,7 @@ def test_engines_key_selects_sglang_and_refuses_what_is_not_built(tmp_path):
     assert cfg["vskipper"]["sglang"]["python"] == ".venv-sglang/bin/python"
     py = tmp_path / "python"
     py.write_text("")
+    py.chmod(0o755)  # the config check wants an executable interpreter
     ok = _load(tmp_path, engines={"upstream": "sglang"}, sglang={"python": str(py)})
     assert ok["vskipper"]["engines"]["upstream"] == "sglang" and ok["vskipper"]["sglang"]["max_total_tokens"] == 16384
     with pytest.raises(ConfigError, match=r"vskipper\.sglang\.python.*setup_sglang"):
@@ -231,3 +232,22 @@ def test_upstream_sglang_is_the_baseline_of_a_matched_cell_against_transformers(
         if r["kind"] == "request" and r["phase"] == "measure":
             counts.setdefault(r["request_id"], {})[r["arm"]] = r["output_tokens"]
     assert all(len(set(v.values())) == 1 for v in counts.values()), counts
+
+
+def test_upstream_sglang_runs_without_graphs_like_the_routed_arms_unless_asked(tmp_path):
+    """The upstream SGLang arm launches with graph capture off by default (the routed arms cannot capture: their
+    routes change per step), so the arms compare like for like; vskipper.sglang.upstream_graphs: true keeps
+    SGLang's capture, and a user's own --cuda-graph-backend flag is left as given."""
+    from impl.serving.sglang_server import NO_GRAPHS
+    from impl.vskipper.serving_commands import sglang_launch
+
+    py = tmp_path / "python"
+    py.write_text("")
+    py.chmod(0o755)
+    off = sglang_launch(_load(tmp_path, sglang={"python": str(py)}), tmp_path)
+    assert off.extra_args[-4:] == NO_GRAPHS
+    on = sglang_launch(_load(tmp_path, sglang={"python": str(py), "upstream_graphs": True}), tmp_path)
+    assert not any(a.startswith("--cuda-graph-backend") for a in on.extra_args)
+    mine = ["--cuda-graph-backend-decode", "full"]
+    kept = sglang_launch(_load(tmp_path, sglang={"python": str(py), "extra_args": mine}), tmp_path)
+    assert list(kept.extra_args) == mine

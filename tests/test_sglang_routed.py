@@ -121,6 +121,7 @@ def test_the_served_arms_on_sglang_are_routed_servers_with_their_switches(tmp_pa
 
     py = tmp_path / "python"
     py.write_text("")
+    py.chmod(0o755)  # the config check wants an executable interpreter
     raw = read_yaml(ROOT / "configs" / "smoke.yaml")
     raw["vskipper"].update(engines={"upstream": "sglang", "routed": "sglang"}, sglang={"python": str(py)})
     cfg = validate_config(raw, check_paths=False)

@@ -23,6 +23,7 @@ def _cfg(tmp_path, section, python=None) -> dict:
     raw = read_yaml(ROOT / "configs" / "smoke.yaml")
     py = tmp_path / "python"
     py.write_text("")
+    py.chmod(0o755)  # the config check wants an executable interpreter
     raw["vskipper"]["sglang"] = {"python": str(python or py)}
     if section is not None:
         raw["vskipper"]["sglang_section"] = section
@@ -130,3 +131,45 @@ def test_the_command_refuses_bad_engine_arguments(tmp_path):
         p = run(*args)
         assert p.returncode != 0 and msg in p.stderr, (args, p.stderr[-500:])
     assert not (tmp_path / "o").exists()
+
+
+def test_a_non_executable_interpreter_and_a_non_llama_model_are_refused_before_any_job(tmp_path):
+    """vskipper.sglang.python must be executable; vSkipper inside SGLang serves Llama checkpoints, so a routed
+    SGLang family (or the section) over an existing model directory of another architecture fails at the check,
+    naming the key, the model and its architectures; a model the DAG has not made yet is not read."""
+    import json
+
+    py = tmp_path / "notexec"
+    py.write_text("")
+    with pytest.raises(ConfigError, match=r"sglang_section.*vskipper\.sglang\.python.*is not executable"):
+        _cfg(tmp_path, {}, python=py)
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    raw = read_yaml(ROOT / "configs" / "smoke.yaml")
+    exe = tmp_path / "python"
+    exe.write_text("")
+    exe.chmod(0o755)
+    raw["models"]["qwen"] = {"kind": "pretrained", "path": str(qwen)}
+    raw["vskipper"].update(model="qwen", sglang={"python": str(exe)}, engines={"routed": "sglang"})
+    with pytest.raises(ConfigError, match=r"'vskipper\.engines\.routed' serves model 'qwen'.*Qwen3ForCausalLM"):
+        validate_config(raw, check_paths=False)
+    raw["vskipper"].update(engines={"routed": "transformers"}, sglang_section={})
+    with pytest.raises(ConfigError, match=r"'vskipper\.sglang_section' serves model 'qwen'"):
+        validate_config(raw, check_paths=False)
+    (qwen / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert validate_config(raw, check_paths=False)["vskipper"]["model"] == "qwen"
+
+
+def test_an_optional_section_given_as_null_is_off(tmp_path):
+    """An overlay turns off an optional vSkipper sub-section an earlier file set (vskipper.quality: null);
+    a null that is a value stays (vskipper.sglang.max_total_tokens: null = SGLang's own sizing)."""
+    from impl.launch import merged_config
+
+    base = read_yaml(ROOT / "configs" / "smoke.yaml")
+    assert base["vskipper"].get("quality") is not None
+    over = tmp_path / "off.yaml"
+    over.write_text("vskipper:\n  quality: null\n  sglang_section: null\n  sglang: {max_total_tokens: null}\n")
+    cfg = validate_config(merged_config([ROOT / "configs" / "smoke.yaml", over], {}), check_paths=False)
+    assert "quality" not in cfg["vskipper"] and "sglang_section" not in cfg["vskipper"]
+    assert cfg["vskipper"]["sglang"]["max_total_tokens"] is None

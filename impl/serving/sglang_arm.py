@@ -3,7 +3,7 @@ item 2): the load generator, the knee sweep, matched-work replay and paired repe
 own server exactly as they drive the project's in-process engine.
 
 :class:`SGLangArm` owns one :class:`~impl.serving.sglang_server.SGLangServer` for its whole life: the
-server starts on the first :meth:`SGLangArm.start` (SGLang's start-up is 40-110 s on a 2-core CPU, far
+server starts on the first :meth:`SGLangArm.start` (SGLang's start-up is 30-110 s on a 2-core CPU, far
 too long to pay per run) and stops on :meth:`SGLangArm.close`. Every :meth:`SGLangArm.start` then gives
 a run fresh state the way the in-process arm does, within what a server allows:
 

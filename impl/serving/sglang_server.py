@@ -44,10 +44,12 @@ from typing import Mapping, Sequence
 __all__ = [
     "CPU_SHIM_DIR",
     "DEFAULT_SGLANG_PYTHON",
+    "NO_GRAPHS",
     "SGLangLaunch",
     "SGLangServer",
     "greedy_ids",
     "launch_args",
+    "no_graph_capture",
     "server_env",
 ]
 
@@ -58,6 +60,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 #: where ``scripts/setup_sglang.sh`` installs SGLang (relative to the repository root)
 DEFAULT_SGLANG_PYTHON = ".venv-sglang/bin/python"
 _DTYPES = ("float32", "bfloat16", "float16")
+#: ``launch_server`` arguments that turn graph capture off (CUDA graphs, and SGLang's CPU graphs) for decode and
+#: prefill: every step then runs the model's Python forward
+NO_GRAPHS = ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,17 @@ class SGLangLaunch:
             raise ValueError(f"SGLangLaunch.max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if self.threads is not None and int(self.threads) < 1:
             raise ValueError(f"SGLangLaunch.threads must be >= 1, got {self.threads}")
+
+
+def no_graph_capture(launch: "SGLangLaunch") -> "SGLangLaunch":
+    """``launch`` with graph capture off (:data:`NO_GRAPHS` appended), unless its ``extra_args`` already set a
+    ``--cuda-graph-backend*`` flag (the user's choice is kept)."""
+    from dataclasses import replace
+
+    extra = tuple(launch.extra_args)
+    if any(a.startswith("--cuda-graph-backend") for a in extra):
+        return launch
+    return replace(launch, extra_args=extra + NO_GRAPHS)
 
 
 def launch_args(launch: SGLangLaunch, port: int) -> list[str]:

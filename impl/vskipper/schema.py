@@ -102,6 +102,7 @@ Keys (units in brackets):
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -174,6 +175,10 @@ class Sglang(Section):
                                                                "sizing (GPU only)")
     ready_timeout_s: PosNum = Field(900.0, description="start-up limit [s]")
     extra_args: list[str] = Field([], description="further launch_server arguments, verbatim")
+    upstream_graphs: bool = Field(False, description="graph capture (CUDA graphs) on the upstream SGLang arm: "
+                                                     "false (default) runs it without, as every routed arm must "
+                                                     "run (its routes change per step), so the arms compare like "
+                                                     "for like; true measures upstream as SGLang ships it")
 
 
 class Knee(Section):
@@ -404,6 +409,12 @@ class VskipperSection(Section):
 
 SECTION: dict[str, Any] = section_schema(VskipperSection, description=VskipperSection.__doc__.strip())
 DEFAULTS: dict[str, Any] = section_defaults(VskipperSection)
+#: the keys whose absence means something (off, or the default mapping): given as null they are absent, so an
+#: overlay turns off what an earlier config file set (``impl.config.validate_config``)
+OPTIONAL_KEYS: tuple[str, ...] = VskipperSection.optional_keys
+#: the checkpoints vSkipper inside SGLang serves (``config.json``'s ``architectures[0]``;
+#: :mod:`impl.vskipper.sglang_model` subclasses SGLang's Llama)
+SGLANG_ROUTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM",)
 #: default ``load_points`` (the paper's); not in :data:`DEFAULTS` because a user's mapping replaces it
 #: entirely (a deep merge could not drop a label) - :func:`check` fills it in when absent
 DEFAULT_LOAD_POINTS: dict[str, float] = dict(VskipperSection.model_fields["load_points"].default)
@@ -588,10 +599,21 @@ def _check_bench_models(cfg: dict[str, Any], v: dict[str, Any]) -> None:
             raise _error(f"'vskipper.bench.models[{i}]' = '{m}' is vskipper.model, which the benchmark always times")
 
 
+def _interpreter_problem(path: str) -> str | None:
+    """Why ``path`` cannot be the SGLang environment's interpreter (None when it can: an executable file)."""
+    p = Path(path)
+    if not p.is_file():
+        return "is not a file"
+    if not os.access(p, os.X_OK):
+        return "is not executable"
+    return None
+
+
 def _check_bench_serving(cfg: dict[str, Any], v: dict[str, Any]) -> None:
     b = (v.get("http") or {}).get("bench_serving") or {}
-    if b.get("python") and not Path(b["python"]).is_file():
-        raise _error(f"'vskipper.http.bench_serving.python' = '{b['python']}' is not a file (create the SGLang "
+    why = _interpreter_problem(b["python"]) if b.get("python") else None
+    if why:
+        raise _error(f"'vskipper.http.bench_serving.python' = '{b['python']}' {why} (create the SGLang "
                      "environment with scripts/setup_sglang.sh, or set it to null)")
     for i, m in enumerate(b.get("models") or []):
         if m not in cfg["models"]:
@@ -603,9 +625,11 @@ def _check_sglang_section(cfg: dict[str, Any], v: dict[str, Any]) -> None:
     if sec is None:
         return
     sec.update({k: x for k, x in section_defaults(SglangSection).items() if k not in sec})
-    if not Path(v["sglang"]["python"]).is_file():
+    why = _interpreter_problem(v["sglang"]["python"])
+    if why:
         raise _error(f"'vskipper.sglang_section' needs 'vskipper.sglang.python' = '{v['sglang']['python']}', which "
-                     "is not a file (create the SGLang environment with scripts/setup_sglang.sh)")
+                     f"{why} (create the SGLang environment with scripts/setup_sglang.sh)")
+    _check_routed_architecture(cfg, v["model"], "vskipper.sglang_section")
     for i, w in enumerate(sec["workloads"] or []):
         if w not in v["workloads"]:
             raise _error(f"'vskipper.sglang_section.workloads[{i}]' = '{w}' is not one of 'vskipper.workloads' "
@@ -661,10 +685,36 @@ def engine_config(cfg: dict[str, Any], engine: str = "sglang") -> dict[str, Any]
 
 def _check_engines(cfg: dict[str, Any], v: dict[str, Any]) -> None:
     for family in ("upstream", "routed"):
-        if v["engines"][family] == "sglang" and not Path(v["sglang"]["python"]).is_file():
+        why = _interpreter_problem(v["sglang"]["python"]) if v["engines"][family] == "sglang" else None
+        if why:
             raise _error(f"'vskipper.engines.{family}' = 'sglang' needs 'vskipper.sglang.python' = "
-                         f"'{v['sglang']['python']}', which is not a file (create the SGLang environment with "
+                         f"'{v['sglang']['python']}', which {why} (create the SGLang environment with "
                          "scripts/setup_sglang.sh)")
+    if v["engines"]["routed"] == "sglang":  # every model the routed arms serve: vskipper.model, Table 6's models
+        for m in [v["model"], *((v.get("cross_model") or {}).get("models") or [])]:
+            _check_routed_architecture(cfg, m, "vskipper.engines.routed")
+
+
+def _check_routed_architecture(cfg: dict[str, Any], name: str, key: str) -> None:
+    """Model ``name`` (a key of ``models``), when its directory exists, is a checkpoint vSkipper inside SGLang
+    serves (:data:`SGLANG_ROUTED_ARCHITECTURES`); a model the DAG has not made yet is checked when it serves."""
+    import json
+
+    from impl.config import model_dir
+
+    if name not in cfg["models"]:
+        return  # named by the key's own check
+    f = model_dir(cfg, name) / "config.json"
+    if not f.is_file():
+        return
+    try:
+        archs = json.loads(f.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # an unreadable config.json fails where the model loads, naming the file
+    if not archs or archs[0] not in SGLANG_ROUTED_ARCHITECTURES:
+        raise _error(f"'{key}' serves model '{name}' with vSkipper inside SGLang, which takes "
+                     f"{', '.join(SGLANG_ROUTED_ARCHITECTURES)} checkpoints; {f} names {archs or 'none'} "
+                     "(serve its routed arms on transformers: vskipper.engines.routed: transformers)")
 
 
 def check(cfg: dict[str, Any]) -> None:

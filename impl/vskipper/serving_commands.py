@@ -155,15 +155,17 @@ def upstream_arm(cfg: dict, model, model_dir, cb):
 def sglang_launch(cfg: dict, model_dir):
     """The :class:`~impl.serving.sglang_server.SGLangLaunch` of every SGLang arm of a config: ``model_dir``
     on the config's device, dtype and thread count, with ``vskipper.sglang``'s interpreter, attention
-    backend, KV-cache size and extra arguments."""
-    from impl.serving.sglang_server import SGLangLaunch
+    backend, KV-cache size and extra arguments, and graph capture off unless ``vskipper.sglang.upstream_graphs``
+    (the routed arms never capture: :func:`impl.vskipper.sglang_routed.routed_launch`)."""
+    from impl.serving.sglang_server import SGLangLaunch, no_graph_capture
 
     core = core_config(cfg)
     sg = vskipper_section(cfg).sglang
-    return SGLangLaunch(model_dir=model_dir, python=sg.python, device=core.device.split(":")[0],
-                        dtype=core.dtype, max_total_tokens=sg.max_total_tokens,
-                        attention_backend=sg.attention_backend, threads=core.threads,
-                        extra_args=tuple(sg.extra_args))
+    launch = SGLangLaunch(model_dir=model_dir, python=sg.python, device=core.device.split(":")[0],
+                          dtype=core.dtype, max_total_tokens=sg.max_total_tokens,
+                          attention_backend=sg.attention_backend, threads=core.threads,
+                          extra_args=tuple(sg.extra_args))
+    return launch if sg.upstream_graphs else no_graph_capture(launch)
 
 
 def routed_arm(cfg: dict, name: str, switch, *, bound=None, cb=None, model_dir=None, policy: str = "flexidepth",

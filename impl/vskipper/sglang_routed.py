@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from impl.serving.sglang_arm import SGLangArm
-from impl.serving.sglang_server import SGLangLaunch
+from impl.serving.sglang_server import NO_GRAPHS, SGLangLaunch, no_graph_capture
 from impl.vskipper.mode import ModeSwitch
+from impl.vskipper.schema import SGLANG_ROUTED_ARCHITECTURES
 
 __all__ = ["ARCHITECTURE", "PACKAGE", "NO_GRAPHS", "write_routed_model_dir", "routed_launch", "RoutedSGLangArm"]
 
@@ -28,7 +29,6 @@ __all__ = ["ARCHITECTURE", "PACKAGE", "NO_GRAPHS", "write_routed_model_dir", "ro
 ARCHITECTURE = "VSkipperLlamaForCausalLM"
 #: the package SGLang imports model classes from (``SGLANG_EXTERNAL_MODEL_PACKAGE``)
 PACKAGE = "impl.vskipper.sglang_model"
-_LLAMA = ("LlamaForCausalLM",)
 
 
 def write_routed_model_dir(model_dir: str | os.PathLike, out_dir: str | os.PathLike, policy: str,
@@ -67,7 +67,7 @@ def write_routed_model_dir(model_dir: str | os.PathLike, out_dir: str | os.PathL
         raise FileNotFoundError(f"{src}: no config.json (a Hugging Face model directory is needed)")
     cfg = json.loads(cfg_path.read_text())
     archs = cfg.get("architectures") or []
-    if not archs or archs[0] not in _LLAMA:
+    if not archs or archs[0] not in SGLANG_ROUTED_ARCHITECTURES:
         raise ValueError(f"{src}: vSkipper on SGLang serves LlamaForCausalLM checkpoints, got architectures {archs}")
     spec: dict[str, Any] = {"policy": str(policy), "kwargs": dict(kwargs or {})}
     if switch is not None:
@@ -96,10 +96,9 @@ def write_routed_model_dir(model_dir: str | os.PathLike, out_dir: str | os.PathL
     return out
 
 
-#: launch arguments of every routed server: no CUDA (or CPU) graphs. A routed step's control flow depends on
-#: the batch (the route tape's all-RUN flags, the cohorts' sizes, the mode controller's decisions on the
-#: host), so a captured graph would replay the routes of the step it was captured on.
-NO_GRAPHS = ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")
+# Every routed server runs with graph capture off (NO_GRAPHS, impl.serving.sglang_server): a routed step's control
+# flow depends on the batch (the route tape's all-RUN flags, the cohorts' sizes, the mode controller's decisions
+# on the host), so a captured graph would replay the routes of the step it was captured on.
 
 
 def routed_launch(launch: SGLangLaunch, routed_dir: str | os.PathLike | None = None) -> SGLangLaunch:
@@ -112,13 +111,11 @@ def routed_launch(launch: SGLangLaunch, routed_dir: str | os.PathLike | None = N
             the name ``launch`` answers to (its ``served_model_name``, else its ``model_dir``), so requests
             name the base model on every arm.
     """
-    extra = tuple(launch.extra_args)
-    if not any(a.startswith("--cuda-graph-backend") for a in extra):
-        extra = extra + NO_GRAPHS
+    launch = no_graph_capture(launch)
     if routed_dir is not None:
         launch = replace(launch, model_dir=Path(routed_dir),
                          served_model_name=launch.served_model_name or str(launch.model_dir))
-    return replace(launch, external_model_package=PACKAGE, extra_args=extra)
+    return replace(launch, external_model_package=PACKAGE)
 
 
 class RoutedSGLangArm(SGLangArm):

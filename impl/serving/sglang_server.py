@@ -37,7 +37,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -116,8 +116,6 @@ class SGLangLaunch:
 def no_graph_capture(launch: "SGLangLaunch") -> "SGLangLaunch":
     """``launch`` with graph capture off (:data:`NO_GRAPHS` appended), unless its ``extra_args`` already set a
     ``--cuda-graph-backend*`` flag (the user's choice is kept)."""
-    from dataclasses import replace
-
     extra = tuple(launch.extra_args)
     if any(a.startswith("--cuda-graph-backend") for a in extra):
         return launch

@@ -251,3 +251,31 @@ def test_upstream_sglang_runs_without_graphs_like_the_routed_arms_unless_asked(t
     mine = ["--cuda-graph-backend-decode", "full"]
     kept = sglang_launch(_load(tmp_path, sglang={"python": str(py), "extra_args": mine}), tmp_path)
     assert list(kept.extra_args) == mine
+
+
+def test_server_per_run_holds_one_server_at_a_time(fake_sglang, tmp_path):
+    """With server_per_run each run starts its arm's server and stops it after: between runs no server of
+    either arm is up, every run starts one (the baseline's record + 2 repetitions), and the cell's rows and
+    lengths are those of the shared-server mode."""
+    launch = SGLangLaunch(model_dir=fake_sglang, python=sys.executable, threads=1)
+    up: list[int] = []
+
+    class Watch(SGLangArm):  # how many of the two arms' servers are up while each run starts
+        def start(self, hint=None):
+            super().start(hint)
+            up.append(sum(x.server.proc is not None and x.server.proc.poll() is None for x in arms.values()))
+
+    arms = {n: Watch(launch, name=n, log_path=tmp_path / f"{n}.log", ready_timeout_s=60, server_per_run=True)
+            for n in ("upstream", "copy")}
+    try:
+        res = run_cell(arms, _requests(), cell="knee", rate=50.0, repetitions=2, seed=0, lane="matched",
+                       workload="w", timeout_s=60)
+        assert all(a.server.proc is None for a in arms.values())  # down after the cell's last run
+        # the baseline records natural lengths first: 3 runs; the other arm runs in the 2 repetitions
+        assert [a.server_starts for a in arms.values()] == [3, 2] and set(up) == {1}
+        assert arms["upstream"].describe()["server_per_run"] is True
+    finally:
+        for a in arms.values():
+            a.close()
+    assert res.lengths == {f"r{i}": 3 for i in range(4)}
+    assert len([r for r in res.rows if r["kind"] == "cell"]) == 4

@@ -57,6 +57,10 @@ class SGLangArm(Arm):
         request_timeout_s: socket timeout of each request [s].
         warmup_requests: requests run to completion in every :meth:`start` (0 disables).
         warmup_prompt: their prompt token ids. warmup_new_tokens: their length [tokens].
+        server_per_run: False (default): the server starts on the first :meth:`start` and runs until
+            :meth:`close`; True: every :meth:`start` starts it and :meth:`stop` shuts it down, so only the
+            running arm's server holds the device (a GPU that cannot hold every arm's model at once), at the
+            price of a start-up per run.
 
     Raises (from :meth:`start`):
         FileNotFoundError / RuntimeError: from :meth:`SGLangServer.start` (no SGLang interpreter, no
@@ -68,7 +72,8 @@ class SGLangArm(Arm):
 
     def __init__(self, launch: SGLangLaunch, *, name: str = "upstream", log_path=None,
                  ready_timeout_s: float = 600.0, request_timeout_s: float = 600.0, warmup_requests: int = 1,
-                 warmup_prompt: Sequence[int] = (1, 2, 3, 4), warmup_new_tokens: int = 2):
+                 warmup_prompt: Sequence[int] = (1, 2, 3, 4), warmup_new_tokens: int = 2,
+                 server_per_run: bool = False):
         if int(warmup_requests) < 0:
             raise ValueError(f"warmup_requests must be >= 0, got {warmup_requests}")
         if int(warmup_requests) and not warmup_prompt:
@@ -81,6 +86,8 @@ class SGLangArm(Arm):
         self.warmup_requests = int(warmup_requests)
         self.warmup_prompt = [int(t) for t in warmup_prompt]
         self.warmup_new_tokens = int(warmup_new_tokens)
+        self.server_per_run = bool(server_per_run)
+        self.server_starts = 0
         self.client: HTTPCompletionsArm | None = None
         self._prompt_lens: dict[str, int] = {}
         self._server_info: dict[str, Any] = {}
@@ -94,6 +101,7 @@ class SGLangArm(Arm):
                 raise RuntimeError(f"arm {self.name!r}: the SGLang server exited with status "
                                    f"{self.server.proc.returncode}; log {self.server.log_path}:\n{self.server.log_tail()}")
             self.server.start()
+            self.server_starts += 1
             self._server_info = self._get_json("/server_info")
             log.info("arm %s: SGLang %s up at %s after %.1f s", self.name, self._server_info.get("version"),
                      self.server.url, self.server.startup_s)
@@ -115,10 +123,14 @@ class SGLangArm(Arm):
         self._prompt_lens = {}
 
     def stop(self) -> None:
-        """End the run (joins the request threads); the server keeps running until :meth:`close`."""
+        """End the run (joins the request threads); the server keeps running until :meth:`close`, or, with
+        ``server_per_run``, shuts down here (the next :meth:`start` starts a fresh one)."""
         if self.client is not None:
             self.client.stop()
         self.client = None
+        if self.server_per_run and self.server.proc is not None:
+            self.server.close()
+            self.server.proc = None
 
     def close(self) -> None:
         """Stop the run and shut the server down (its whole process group)."""
@@ -174,7 +186,8 @@ class SGLangArm(Arm):
                 "attention_backend": info.get("attention_backend"),
                 "sampling_backend": info.get("sampling_backend"), "dtype": info.get("dtype"),
                 "device": self.launch.device, "max_total_tokens": state.get("max_total_num_tokens", info.get("max_total_tokens")),
-                "startup_s": self.server.startup_s, "warmup_requests": self.warmup_requests,
+                "startup_s": self.server.startup_s, "server_per_run": self.server_per_run,
+                "server_starts": self.server_starts, "warmup_requests": self.warmup_requests,
                 "endpoint": f"{self.server.url}/v1/completions" if self.server.port else None,
                 "prompt_as": "token_ids", "ignore_eos_via": "field"}
 

@@ -175,6 +175,11 @@ class Sglang(Section):
                                                                "sizing (GPU only)")
     ready_timeout_s: PosNum = Field(900.0, description="start-up limit [s]")
     extra_args: list[str] = Field([], description="further launch_server arguments, verbatim")
+    server_per_run: bool = Field(False, description="false: each SGLang arm's server starts on the arm's first run "
+                                                    "and stays up until the cell ends (every arm's server up at "
+                                                    "once); true: each run starts its arm's server and stops it "
+                                                    "after (one server on the device at a time, a start-up per "
+                                                    "run: for a GPU that cannot hold every arm's model at once)")
     upstream_graphs: bool = Field(False, description="graph capture (CUDA graphs) on the upstream SGLang arm: "
                                                      "false (default) runs it without, as every routed arm must "
                                                      "run (its routes change per step), so the arms compare like "

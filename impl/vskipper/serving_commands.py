@@ -149,7 +149,7 @@ def upstream_arm(cfg: dict, model, model_dir, cb):
     from impl.serving.sglang_arm import SGLangArm
 
     return SGLangArm(sglang_launch(cfg, model_dir), name=UPSTREAM, ready_timeout_s=v.sglang.ready_timeout_s,
-                     request_timeout_s=v.timeout_s)
+                     request_timeout_s=v.timeout_s, server_per_run=v.sglang.server_per_run)
 
 
 def sglang_launch(cfg: dict, model_dir):
@@ -190,7 +190,8 @@ def routed_arm(cfg: dict, name: str, switch, *, bound=None, cb=None, model_dir=N
     from impl.vskipper.sglang_routed import RoutedSGLangArm
 
     return RoutedSGLangArm(sglang_launch(cfg, model_dir), policy, policy_kwargs, switch=switch, name=name,
-                           ready_timeout_s=v.sglang.ready_timeout_s, request_timeout_s=v.timeout_s)
+                           ready_timeout_s=v.sglang.ready_timeout_s, request_timeout_s=v.timeout_s,
+                           server_per_run=v.sglang.server_per_run)
 
 
 def needs_inprocess_model(cfg: dict) -> bool:

@@ -290,11 +290,18 @@ def cmd_sglang_check(args) -> None:
     set_threads(cfg)
     if core.device not in ("cpu", "cuda"):
         raise SystemExit(f"error: sglang-check runs on device cpu or cuda, the config says {core.device!r}")
-    if not Path(args.sglang_python).exists():
-        raise SystemExit(f"error: --sglang-python {args.sglang_python} does not exist (run scripts/setup_sglang.sh)")
+    # the server as the config's SGLang arms start it (vskipper.sglang), the flags taking precedence
+    sg = (cfg.get("vskipper") or {}).get("sglang") or {}
+    python = args.sglang_python or sg.get("python") or DEFAULT_SGLANG_PYTHON
+    if not Path(python).exists():
+        raise SystemExit(f"error: --sglang-python {python} does not exist (run scripts/setup_sglang.sh, or give "
+                         "--sglang-python / vskipper.sglang.python)")
     prompts, ids = load_prompts(args.prompts, args.n_prompts)
-    launch = SGLangLaunch(model_dir=args.model_dir, python=args.sglang_python, device=core.device, dtype=core.dtype,
-                          max_total_tokens=args.max_total_tokens, threads=args.server_threads)
+    launch = SGLangLaunch(model_dir=args.model_dir, python=python, device=core.device, dtype=core.dtype,
+                          max_total_tokens=(args.max_total_tokens if args.max_total_tokens is not None
+                                            else sg.get("max_total_tokens", 16384)),
+                          attention_backend=sg.get("attention_backend"), threads=args.server_threads,
+                          extra_args=tuple(sg.get("extra_args") or ()))
     prov = run_provenance(cfg)
     if args.routed is not None:
         r, d = args.routed
@@ -338,8 +345,11 @@ def register(add) -> None:
     sp.add_argument("--prompts", required=True, help="token-id workload suite JSONL (rule workload_tokens)")
     sp.add_argument("--n-prompts", type=positive_int, default=3)
     sp.add_argument("--max-new-tokens", type=positive_int, default=16)
-    sp.add_argument("--sglang-python", default=DEFAULT_SGLANG_PYTHON, help="the SGLang environment's interpreter")
-    sp.add_argument("--max-total-tokens", type=positive_int, default=16384, help="SGLang's KV cache [tokens]")
+    sp.add_argument("--sglang-python", default=None,
+                    help=f"the SGLang environment's interpreter (default: the config's vskipper.sglang.python, else "
+                         f"{DEFAULT_SGLANG_PYTHON}); the config's attention_backend and extra_args apply too")
+    sp.add_argument("--max-total-tokens", type=positive_int, default=None,
+                    help="SGLang's KV cache [tokens] (default: the config's vskipper.sglang.max_total_tokens, else 16384)")
     sp.add_argument("--server-threads", type=positive_int, default=None, help="torch threads of the server (CPU)")
     sp.add_argument("--server-log", default=None, help="where the server's log goes (default: a temporary file)")
     sp.add_argument("--routed", nargs=2, type=float, metavar=("R", "D"), default=None,

@@ -137,6 +137,9 @@ def validate_config(cfg: dict[str, Any], *, check_paths: bool = True) -> dict[st
             msg = f"invalid name '{key}': {e.message}"
         else:
             msg = f"bad value for '{key}': {e.message}"
+        if e.validator == "required" and not list(e.absolute_path):  # a top-level key missing: an overlay alone?
+            msg += (" (an overlay such as configs/sglang.yaml is merged onto a full config: "
+                    "--configfile configs/default.yaml <overlay>)")
         raise ConfigError(f"config: {msg}")
     out = _merge(DEFAULTS, cfg)
     for name, m in out["models"].items():  # a GGUF source is converted into models_dir/<name> unless a path is given

@@ -166,3 +166,10 @@ def test_tev_target_prompts_fit_the_frozen_suites(cfg):
     assert "target_prompts" in _err(cfg)
     cfg["tev"]["target_prompts"] = None
     assert validate_config(cfg)["tev"]["target_prompts"] is None
+
+
+def test_an_overlay_alone_is_named_as_such():
+    """An overlay given alone lacks the top-level keys: the one-line error says to merge it onto a full config."""
+    raw = yaml.safe_load((ROOT / "configs" / "sglang.yaml").read_text())
+    with pytest.raises(ConfigError, match=r"'data_dir' is a required property.*--configfile configs/default\.yaml <overlay>"):
+        validate_config(raw)

@@ -581,7 +581,8 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
                       ("tev_latency", "Verifier-stage latency, same realised trees (Table 3 shape)"),
                       ("tev_training", "Drafter training (wall time on this CPU)"),
                       ("tev_curve", "Base drafter learning curve (held-out)"),
-                      ("tev_target", "Tau-target cell (T = 0, more prompts; per-prompt 95% intervals)")):
+                      ("tev_target", "Tau-target cell (T = 0, more prompts; `tau_ci_low/high`: the micro tau's 95% interval, "
+                                     "prompts as clusters; `ci_low/high`: the per-prompt mean's)")):
         t = read(name)
         if len(t):
             lines += [f"### {cap}", "", md(t.drop(columns=["tables"], errors="ignore")), ""]

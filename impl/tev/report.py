@@ -52,17 +52,13 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
 
 #: the columns a row of each kind of input must have (``kind`` of :func:`check_rows`); a tree arm's cell row
 #: also needs ``committed`` (the tokens each round committed: tau), an AR row's ``taus`` are its tokens
-ROW_COLUMNS = {
-    "cells": ("model", "suite", "arm", "temperature", "budget", "prompt_id", "n_new_tokens", "rounds", "taus", "seconds"),
-    "target": ("model", "suite", "arm", "temperature", "budget", "prompt_id", "n_new_tokens", "rounds", "taus", "seconds"),
-    "latency": ("model", "budget", "verifier", "vocab_size", "temperature"),
-}
+_CELL_KEYS = ("model", "suite", "arm", "temperature", "budget", "prompt_id")
+ROW_COLUMNS = {"cells": _CELL_KEYS + ("n_new_tokens", "rounds", "taus", "seconds"),
+               "target": _CELL_KEYS + ("n_new_tokens", "rounds", "taus", "seconds"),
+               "latency": ("model", "budget", "verifier", "vocab_size", "temperature")}
 #: the columns that name one measurement: two rows of one kind with the same values are the same row twice
-_ROW_KEYS = {
-    "cells": ("model", "suite", "arm", "temperature", "budget", "prompt_id"),
-    "target": ("model", "suite", "arm", "temperature", "budget", "prompt_id"),
-    "latency": ("model", "budget", "verifier", "vocab_size", "restricted", "temperature", "timing"),
-}
+_ROW_KEYS = {"cells": _CELL_KEYS, "target": _CELL_KEYS,
+             "latency": ("model", "budget", "verifier", "vocab_size", "restricted", "temperature", "timing")}
 
 
 def check_rows(files: list[tuple[str, list]], kind: str) -> list[dict]:

@@ -283,33 +283,36 @@ def cmd_sglang_check(args) -> None:
     from impl.runtime import config_from_args, run_provenance, set_threads
     from impl.schema import core_config
 
+    from dataclasses import replace
+
     from .http_check import load_prompts
+    from .schema import SGLANG_ROUTED_ARCHITECTURES
+    from .serving_commands import sglang_launch
 
     cfg = config_from_args(args)
     core = core_config(cfg)
     set_threads(cfg)
     if core.device not in ("cpu", "cuda"):
         raise SystemExit(f"error: sglang-check runs on device cpu or cuda, the config says {core.device!r}")
-    # the server as the config's SGLang arms start it (vskipper.sglang), the flags taking precedence
-    sg = (cfg.get("vskipper") or {}).get("sglang") or {}
-    python = args.sglang_python or sg.get("python") or DEFAULT_SGLANG_PYTHON
-    if not Path(python).exists():
-        raise SystemExit(f"error: --sglang-python {python} does not exist (run scripts/setup_sglang.sh, or give "
+    # the server as the config's SGLang arms start it (serving_commands.sglang_launch, from vskipper.sglang;
+    # a config without a vskipper section: SGLangLaunch's defaults), the flags taking precedence
+    launch = (sglang_launch(cfg, args.model_dir) if "vskipper" in cfg
+              else SGLangLaunch(model_dir=args.model_dir, device=core.device, dtype=core.dtype))
+    launch = replace(launch, python=args.sglang_python or launch.python, threads=args.server_threads,
+                     max_total_tokens=launch.max_total_tokens if args.max_total_tokens is None else args.max_total_tokens)
+    if not Path(launch.python).exists():
+        raise SystemExit(f"error: --sglang-python {launch.python} does not exist (run scripts/setup_sglang.sh, or give "
                          "--sglang-python / vskipper.sglang.python)")
     prompts, ids = load_prompts(args.prompts, args.n_prompts)
-    launch = SGLangLaunch(model_dir=args.model_dir, python=python, device=core.device, dtype=core.dtype,
-                          max_total_tokens=(args.max_total_tokens if args.max_total_tokens is not None
-                                            else sg.get("max_total_tokens", 16384)),
-                          attention_backend=sg.get("attention_backend"), threads=args.server_threads,
-                          extra_args=tuple(sg.get("extra_args") or ()))
     prov = run_provenance(cfg)
     if args.routed is not None:
         r, d = args.routed
         if not (0.0 <= r <= 1.0 and 0.0 < d <= 1.0):
             raise SystemExit(f"error: --routed R D needs 0 <= R <= 1 and 0 < D <= 1, got {r} {d}")
         arch = (json.loads((Path(args.model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
-        if arch != "LlamaForCausalLM":
-            raise SystemExit(f"error: --routed serves LlamaForCausalLM checkpoints, {args.model_dir} is {arch}")
+        if arch not in SGLANG_ROUTED_ARCHITECTURES:
+            raise SystemExit(f"error: --routed serves {', '.join(SGLANG_ROUTED_ARCHITECTURES)} checkpoints, "
+                             f"{args.model_dir} is {arch}")
         rows, summary = check_routed_against_transformers(
             args.model_dir, prompts, args.max_new_tokens, launch, r=r, d=d, routed_layers=args.routed_layers,
             seed=cfg.get("seed", 0), prompt_ids=ids, log_dir=args.server_log_dir)

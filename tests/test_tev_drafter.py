@@ -137,6 +137,18 @@ def test_save_load_roundtrip(tiny_model, drafter, tmp_path):
         BlockDrafter.load(d, other)
 
 
+def test_fingerprint_names_the_weights_bit_for_bit(tiny_model, drafter, tmp_path):
+    fp = drafter.fingerprint()
+    assert len(fp) == 16 and int(fp, 16) >= 0
+    assert BlockDrafter.load(drafter.save(tmp_path / "d"), tiny_model).fingerprint() == fp  # saved and loaded: the same
+    with torch.no_grad():
+        drafter.norm.weight[0] = torch.nextafter(drafter.norm.weight[0], torch.tensor(2.0))  # one ulp in one weight
+    assert drafter.fingerprint() != fp
+    torch.manual_seed(0)
+    twin = BlockDrafter(tiny_model, DrafterConfig(block_size=4, n_layers=2, init_std=0.2))
+    assert twin.fingerprint() == fp  # the same seeded initialisation
+
+
 def test_tiny_training_run_decreases_loss(tiny_model):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 97, (int(torch.randint(3, 8, (), generator=g)),), generator=g).tolist()

@@ -364,3 +364,67 @@ def test_the_tau_line_names_the_missing_rollout_sources():
     assert _missing_sources("sharegpt 320 + gsm8k 320", suites) == "rollouts like humaneval, math500 are the missing data"
     assert "not a missing source" in _missing_sources("sharegpt 192 + gsm8k 128 + math500 192 + humaneval 128", suites)
     assert "mt_bench" in _missing_sources("gsm8k 10", ["mt_bench", "gsm8k"])
+
+
+def _fingerprinted(rows, fps, target_fp="t0"):
+    """Rows as tev-cell writes them: the drafter key of each tree arm and the fingerprints of what ran."""
+    out = []
+    for r in rows:
+        key = {"ddtree": "base", "exittrain+tev": "exit"}.get(r["arm"])
+        out.append({**r, "drafter": key, "target_fingerprint": target_fp,
+                    **({"drafter_fingerprint": fps[key]} if key else {})})
+    return out
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("ok", None),
+    ("retrained", "drafter 'exit' of model 'smollm2' has fingerprint e2, but"),
+    ("reconverted", "the target model of model 'smollm2' has fingerprint t1, but"),
+    ("old_row", "no drafter_fingerprint, while other rows name their drafter's"),
+])
+def test_cells_of_two_sessions_must_name_one_training(tmp_path, capsys, case, needle):
+    """The cells of one run may come from two sessions (a CPU session cannot hold TEV on smollm2 whole): the
+    tables are made only when every row ran the drafters (and target) that the training summary saved, bit
+    for bit, and the report says so; a retrain that differs, a reconverted target or an older row fails with
+    one line naming the file and row, and nothing is written."""
+    import json
+
+    from impl.cli import main
+    from impl.provenance import write_jsonl
+    from impl.tev.report import check_one_training
+
+    fps = {"base": "b1", "exit": "e1"}
+    gsm = _fingerprinted(_target_rows("smollm2", "gsm8k", [(1.6, 2.4), (1.7, 2.6)]), fps)
+    math = _fingerprinted(_target_rows("smollm2", "math500", [(1.5, 1.8), (1.8, 2.6)]), fps)  # the second session
+    if case == "retrained":
+        math = _fingerprinted(_target_rows("smollm2", "math500", [(1.5, 1.8), (1.8, 2.6)]), {"base": "b1", "exit": "e2"})
+    elif case == "reconverted":
+        math[0]["target_fingerprint"] = "t1"
+    elif case == "old_row":
+        math[1].pop("drafter_fingerprint")
+    summary = {**_summary(), "fingerprints": {"base": "b1", "exit": "e1"}, "target_fingerprint": "t0"}
+    write_jsonl(tmp_path / "gsm8k.jsonl", gsm)
+    write_jsonl(tmp_path / "math500.jsonl", math)
+    (tmp_path / "train.json").write_text(json.dumps(summary))
+    out = tmp_path / "tables"
+    args = ["tev-tables", "--train", str(tmp_path / "train.json"), "--target-cells", str(tmp_path / "gsm8k.jsonl"),
+            str(tmp_path / "math500.jsonl"), "--out-dir", str(out)]
+    if needle is not None:
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and "math500.jsonl: row" in err and "Traceback" not in err, err
+        assert not out.exists()
+        return
+    main(args)
+    t = pd.read_csv(out / "tev_drafters.csv").set_index("drafter")
+    assert sorted(t.index) == ["base", "exit"] and t.at["exit", "fingerprint"] == "e1"
+    assert t.at["exit", "target_rows"] == 4 and t.at["base", "cell_rows"] == 0 and t.at["exit", "target_fingerprint"] == "t0"
+    assert t.at["base", "trained_in"] == str(tmp_path / "train.json")
+    text = "\n".join(report_section(out, out, out))
+    assert "- one training per drafter" in text and "(2 drafters), each the one its training summary saved: **PASS**" in text
+    # without the summary the rows still agree among themselves, but nothing says they are the saved ones
+    unchecked = check_one_training([("target", "g", gsm), ("target", "m", math)], [])
+    assert list(unchecked["trained_in"]) == ["", ""]
+    # rows from before fingerprints were recorded: no table, no line (recorded runs regenerate unchanged)
+    assert len(check_one_training([("target", "g", _target_file_rows())], [("s", _summary())])) == 0

@@ -315,3 +315,22 @@ def test_tev_train_writes_every_objective_and_the_learning_curve(tmp_path, tiny_
     befores = [s["summaries"][k]["before"] for k in ("token", "prefix", "exit", "opd")]
     assert befores[0] is not None and all(b == befores[0] for b in befores)
     assert curve_steps(2, 5) == [1, 2] and curve_steps(10, 0) == []
+    # every saved drafter is named by its weights' fingerprint, and a retrain in another process (a later
+    # session's) reproduces each bit for bit: what lets the cells of one run come from two sessions
+    from impl.models.load import load_model
+    from impl.models.adapters import model_fingerprint
+    from impl.tev.drafter import BlockDrafter
+
+    target = load_model(tmp_path / "model")
+    assert s["target_fingerprint"] == model_fingerprint(target)
+    assert s["fingerprints"] == {k: BlockDrafter.load(out / k, target).fingerprint() for k in s["drafters"]}
+    assert all(s["fingerprints"][k] != s["fingerprints"]["base"] for k in ("token", "prefix", "exit", "opd"))
+    import os
+    import subprocess
+    import sys
+
+    again = tmp_path / "train2.json"
+    subprocess.run([sys.executable, "-m", "impl", "tev-train", "--config-json", f"@{tmp_path / 'cfg.json'}", "--quiet",
+                    "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path / "drafters2"), "--summary", str(again)],
+                   check=True, env={**os.environ, "PYTHONHASHSEED": "123"}, timeout=600)
+    assert json.loads(again.read_text())["fingerprints"] == s["fingerprints"]

@@ -5,7 +5,7 @@ TEV = CFG.get("tev")
 if TEV:
     TEV_CELLS = expand(f"{RESULTS}/tev/{{model}}/{{suite}}.jsonl", model=TEV["models"], suite=TEV["workloads"])
     TEV_TABLE_NAMES = ["tev_arms", "tev_main", "tev_objective", "tev_crossed", "tev_budget", "tev_claims",
-                       "tev_calibration", "tev_latency", "tev_training", "tev_curve", "tev_target"]
+                       "tev_calibration", "tev_latency", "tev_training", "tev_curve", "tev_target", "tev_drafters"]
     # the tau-target cell (tev.target_prompts): AR, DDTree and ExitTrain + TEV at T = 0 on more prompts
     TEV_TARGET_CELLS = expand(f"{RESULTS}/tev/target/{{model}}/{{suite}}.jsonl", model=TEV["models"],
                               suite=TEV["workloads"]) if TEV.get("target_prompts") else []

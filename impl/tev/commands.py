@@ -29,8 +29,9 @@ DRAFTER_KEYS = ("base", "token", "prefix", "exit", "opd")
 def cmd_tev_train(args) -> None:
     import torch
 
-    from ..runtime import config_from_args, load_for
+    from ..models.adapters import model_fingerprint
     from ..models.load import load_tokenizer
+    from ..runtime import config_from_args, load_for
     from ..provenance import atomic_path, provenance, write_json
     from .drafter import DrafterTrainConfig, make_rollouts, train_drafter
     from .prompts import drafter_prompt_ids
@@ -95,7 +96,11 @@ def cmd_tev_train(args) -> None:
     with atomic_path(args.out) as tmp:
         for k, dr in drafters.items():
             dr.save(Path(tmp) / k)
-    summary = {"model_dir": str(args.model_dir), "n_prompts": len(prompts),
+    # what each saved drafter is (its weights' content hash) and what it was trained for: cells record the
+    # same fingerprints, so tev-tables can tell one training from a retrain (impl.tev.report.check_one_training)
+    summary = {"fingerprints": {k: dr.fingerprint() for k, dr in drafters.items()},
+               "target_fingerprint": model_fingerprint(target),
+               "model_dir": str(args.model_dir), "n_prompts": len(prompts),
                "prompt_sources": {s: sources.count(s) for s in dict.fromkeys(sources)},
                "rollout_tokens": data.rollout_tokens,
                "rollout_seconds": data.seconds, "drafters": sorted(drafters), "summaries": summaries,
@@ -105,6 +110,7 @@ def cmd_tev_train(args) -> None:
 
 def cmd_tev_cell(args) -> None:
 
+    from ..models.adapters import model_fingerprint
     from ..runtime import config_from_args, load_for, run_provenance, set_threads
     from ..provenance import write_jsonl
     from .cell import run_tev_cell, target_arms, tev_arms
@@ -130,8 +136,10 @@ def cmd_tev_cell(args) -> None:
                         max_new_tokens=t.max_new_tokens, eos=eos, seed=core_config(cfg).seed,
                         progress=not args.quiet)
     prov = run_provenance(cfg)
+    fps, target_fp = {k: dr.fingerprint() for k, dr in drafters.items()}, model_fingerprint(target)
     for r in rows:
-        r.update(model=args.model, batch_size=1, cell="target" if args.target else "full", **prov)
+        r.update(model=args.model, batch_size=1, cell="target" if args.target else "full", target_fingerprint=target_fp,
+                 **({"drafter_fingerprint": fps[r["drafter"]]} if r.get("drafter") else {}), **prov)
     write_jsonl(args.out, rows)
     bad = sorted({r["arm"] for r in rows if r.get("ar_match") is False})
     log.info("%s: %d rows; T=0 arms differing from AR: %s", args.out, len(rows), bad or "none")
@@ -139,6 +147,7 @@ def cmd_tev_cell(args) -> None:
 
 def cmd_tev_latency(args) -> None:
 
+    from ..models.adapters import model_fingerprint
     from ..runtime import config_from_args, load_for, run_provenance, set_threads
     from ..provenance import write_jsonl
     from .drafter import BlockDrafter
@@ -165,14 +174,14 @@ def cmd_tev_latency(args) -> None:
                             temperature=lat.temperature, n_trees=lat.trees, repeats=lat.repeats,
                             seed=core_config(cfg).seed, verifiers=verifiers, isolated=("predraw_ddtree_multinomial",),
                             vocab_sizes=tuple(lat.vocab_sizes))
-    prov = run_provenance(cfg)
+    prov = {**run_provenance(cfg), "drafter_fingerprint": drafter.fingerprint(), "target_fingerprint": model_fingerprint(target)}
     write_jsonl(args.out, [{**r, "model": args.model, **prov} for r in rows])  # rows carry vocab_size
 
 
 def cmd_tev_tables(args) -> None:
     from ..provenance import read_jsonl
     from ..report.tables import write_table
-    from .report import check_rows, check_summaries, tev_tables
+    from .report import check_one_training, check_rows, check_summaries, tev_tables
 
     out_dir = Path(args.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -181,11 +190,14 @@ def cmd_tev_tables(args) -> None:
                                     or Path(args.report_section).parent.resolve() == out_dir.resolve()):
         raise ValueError(f"--report-section {args.report_section}: its folder does not exist")
     # every input read and checked before any table is written (a bad file leaves no partial output)
-    rows = check_rows([(f, read_jsonl(f)) for f in args.cells], "cells")
-    latency = check_rows([(f, read_jsonl(f)) for f in args.latency], "latency")
-    target = check_rows([(f, read_jsonl(f)) for f in args.target_cells], "target")
-    summaries = check_summaries([(f, _read_json(f, "--train")) for f in args.train])
-    for name, df in tev_tables(rows, latency, summaries, target).items():
+    given = {kind: [(f, read_jsonl(f)) for f in files]
+             for kind, files in (("cells", args.cells), ("latency", args.latency), ("target", args.target_cells))}
+    rows, latency, target = (check_rows(given[k], k) for k in ("cells", "latency", "target"))
+    trained = [(f, _read_json(f, "--train")) for f in args.train]
+    summaries = check_summaries(trained)
+    # cells of one run may come from two sessions: one training of each drafter, or no tables
+    drafters = check_one_training([(k, f, r) for k, files in given.items() for f, r in files], trained)
+    for name, df in tev_tables(rows, latency, summaries, target, drafters).items():
         write_table(df, out_dir / name)
     if args.report_section:  # the report's TEV section from these tables, links relative to its folder
         from ..provenance import write_text
@@ -232,7 +244,7 @@ def register(add) -> None:
     sp.add_argument("--out", required=True, help="output JSONL: one row per (budget, verifier)")
     sp = add("tev-tables", cmd_tev_tables,
              "TEV: every table (tev_arms, tev_main, tev_objective, tev_crossed, tev_budget, tev_claims, "
-             "tev_calibration, tev_latency, tev_training, tev_curve, tev_target) as .md and .csv; a table whose "
+             "tev_calibration, tev_latency, tev_training, tev_curve, tev_target, tev_drafters) as .md and .csv; a table whose "
              "input is not given is written empty with its columns", config=False)
     sp.add_argument("--cells", nargs="*", default=[],
                     help="rows of tev-cell, one file per workload of one run (the full cells; none: their tables are empty)")

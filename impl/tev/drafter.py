@@ -42,6 +42,7 @@ exit-guided term L_exit lives in :mod:`impl.tev.train`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -434,6 +435,20 @@ class BlockDrafter(nn.Module):
         return self._run(block_ids.reshape(B, A * H), block_pos, ctx_kv, mask).view(B, A, H, -1)
 
     # -- persistence ---------------------------------------------------------------------------
+
+    def fingerprint(self) -> str:
+        """A content hash of the drafter's own weights: sha256 over every ``state_dict`` entry (name, dtype,
+        shape and bytes, in name order; the shared target embedding and LM head are not the drafter's).
+        Equal for two drafters exactly when their weights are bit-identical, so the cells' rows can name the
+        drafter they ran and the tables refuse rows of two different trainings of one drafter (a retrain in
+        a later session included). Returns 16 hex digits."""
+
+        h = hashlib.sha256()
+        for k, v in sorted(self.state_dict().items()):
+            t = v.detach().to("cpu").contiguous()
+            h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
 
     def save(self, path: str | Path) -> Path:
         """Write ``model.safetensors`` (drafter weights only) and ``drafter_config.json`` (resolved

@@ -22,7 +22,7 @@ import pandas as pd
 from ..stats import holm_reject, one_sample, paired_difference, ratio_estimate
 
 _PROV = {"run_id", "git_sha", "git_dirty", "config_hash", "seed", "device", "dtype", "torch_version",
-         "transformers_version", "python_version", "host"}
+         "transformers_version", "python_version", "host", "drafter_fingerprint", "target_fingerprint"}
 
 
 #: columns of :func:`_frame` (also those of a frame of no rows)
@@ -122,6 +122,76 @@ def check_summaries(files: list[tuple[str, object]]) -> list[dict]:
         models[m] = path
         out.append(s)
     return out
+
+
+#: columns of :func:`check_one_training`'s table
+DRAFTERS_COLUMNS = ("model", "drafter", "fingerprint", "target_fingerprint", "trained_in", "cell_rows", "target_rows",
+                    "latency_rows")
+
+
+def check_one_training(inputs: list[tuple[str, str, list[dict]]], summaries: list[tuple[str, dict]]) -> pd.DataFrame:
+    """Check that every row of one model ran the same training of each drafter, and tabulate the drafters.
+
+    A drafter is named by :meth:`impl.tev.drafter.BlockDrafter.fingerprint` (rows' ``drafter_fingerprint``,
+    a summary's ``fingerprints``) and the target by :func:`impl.models.adapters.model_fingerprint` (rows'
+    and summaries' ``target_fingerprint``). Cells that ran in different sessions (a retrain between them)
+    are one run only when the retrain reproduced the drafters bit for bit; otherwise their comparisons would
+    pair prompts decoded by two different drafters. Rows and summaries written before fingerprints were
+    recorded carry none and are not checked.
+
+    Args:
+        inputs: ``[(kind, path, rows)]`` with kind ``cells``, ``target`` or ``latency`` (a latency row ran the
+            ``base`` drafter); rows already checked by :func:`check_rows`.
+        summaries: ``[(path, summary)]`` of ``tev-train`` (checked by :func:`check_summaries`).
+
+    Returns:
+        one row per (model, drafter key) that has a fingerprint: :data:`DRAFTERS_COLUMNS` (``trained_in``:
+        the summary that trained it, or empty; ``*_rows``: how many rows of each kind ran it). Empty when no
+        input has fingerprints.
+
+    Raises:
+        ValueError: two fingerprints for one model's drafter key, or for one model's target, naming the
+            file (and row) of each; a drafter row without a fingerprint among rows with them.
+    """
+    seen: dict[tuple, tuple[str, str]] = {}  # (model, key) -> (fingerprint, where)
+    counts: dict[tuple, dict[str, int]] = {}
+    trained: dict[tuple, str] = {}
+
+    def note(model, key, fp, where):
+        if fp is None:
+            return
+        first = seen.setdefault((model, key), (fp, where))
+        if first[0] != fp:
+            what = "the target model" if key is None else f"drafter {key!r}"
+            raise ValueError(f"{where}: {what} of model {model!r} has fingerprint {fp}, but {first[1]} has {first[0]}: "
+                             "rows of two different trainings (or conversions) in one run; rerun the cells on one "
+                             "training, or retrain bit-identically (same code, config, threads and machine type)")
+
+    for path, s in summaries:
+        m = _model_name(s)
+        for k, fp in (s.get("fingerprints") or {}).items():
+            note(m, k, fp, path)
+            trained[(m, k)] = path
+        note(m, None, s.get("target_fingerprint"), path)
+    named = any(r.get("drafter_fingerprint") is not None for _, _, rows in inputs for r in rows)
+    for kind, path, rows in inputs:
+        for i, r in enumerate(rows, 1):
+            m, where = r.get("model"), f"{path}: row {i}"
+            key = "base" if kind == "latency" else r.get("drafter")
+            if named and key is not None and "error" not in r and r.get("drafter_fingerprint") is None:
+                raise ValueError(f"{where}: no drafter_fingerprint, while other rows name their drafter's: rows of "
+                                 "an older run mixed with this one's")
+            note(m, None, r.get("target_fingerprint"), where)
+            if key is not None and r.get("drafter_fingerprint") is not None:
+                note(m, key, r["drafter_fingerprint"], where)
+                c = counts.setdefault((m, key), {})
+                c[kind] = c.get(kind, 0) + 1
+    out = [{"model": m, "drafter": k, "fingerprint": fp, "target_fingerprint": (seen.get((m, None)) or (None,))[0],
+            "trained_in": trained.get((m, k), ""),
+            **{f"{col}_rows": counts.get((m, k), {}).get(kind, 0)
+               for kind, col in (("cells", "cell"), ("target", "target"), ("latency", "latency"))}}
+           for (m, k), (fp, _) in seen.items() if k is not None]
+    return pd.DataFrame(out, columns=list(DRAFTERS_COLUMNS))
 
 
 def arms_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -428,8 +498,9 @@ def _overfit_note(curve: pd.DataFrame, tol: float = 0.02) -> str:
 
 
 def tev_tables(rows: list[dict], latency: list[dict], summaries: list[dict],
-               target: list[dict] = ()) -> dict[str, pd.DataFrame]:
-    """All TEV tables from raw rows (``target``: the tau-target cell's rows, ``tev-cell --target``).
+               target: list[dict] = (), drafters: pd.DataFrame | None = None) -> dict[str, pd.DataFrame]:
+    """All TEV tables from raw rows (``target``: the tau-target cell's rows, ``tev-cell --target``;
+    ``drafters``: :func:`check_one_training`'s table, ``tev_drafters``).
 
     Any input may be empty (a run of the tau-target cell alone has no full-cell or latency rows): the
     tables made from it are then empty, and :func:`report_section` leaves them out."""
@@ -442,7 +513,8 @@ def tev_tables(rows: list[dict], latency: list[dict], summaries: list[dict],
             "tev_crossed": pick("crossed")[lambda d: d.temperature > 0] if len(arms) else arms,
             "tev_budget": pick("budget"), "tev_claims": claims_table(df), "tev_calibration": calibration_table(df),
             "tev_latency": lat, "tev_training": training_table(summaries), "tev_curve": curve_table(summaries),
-            "tev_target": target_table(_frame(list(target)))}
+            "tev_target": target_table(_frame(list(target))),
+            "tev_drafters": drafters if drafters is not None else pd.DataFrame(columns=list(DRAFTERS_COLUMNS))}
 
 
 #: Table 3 targets: TEV's verifier-stage latency over predraw's at these budgets
@@ -563,6 +635,14 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
                                                                         if "vocab_size" in g.columns else "") + ":"]
             lines += head + [("  " if head else "") + x
                              for x in _latency_verdicts(full) + _tau_agreement(full) + _ratio_by_vocab(g)]
+    drafters = read("tev_drafters")
+    if len(drafters):
+        orphans = drafters.loc[drafters["trained_in"].fillna("").astype(str).eq(""), "drafter"].tolist()
+        lines.append(f"- one training per drafter: every row names the weights it ran (a content fingerprint), one per "
+                     f"model and drafter ({len(drafters)} drafters)"
+                     + (f"; not in a given training summary: {', '.join(orphans)}" if orphans else
+                        ", each the one its training summary saved")
+                     + f": **{'PASS' if not orphans else 'UNCHECKED'}**")
     if len(target):
         ok = bool(target["ar_match_all"].astype(str).str.lower().eq("true").all())
         lines.append(f"- tau-target cell equals AR token for token: **{'PASS' if ok else 'FAIL'}** ({len(target)} arm-cells)")
@@ -577,6 +657,7 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
                       ("tev_latency", "Verifier-stage latency, same realised trees (Table 3 shape)"),
                       ("tev_training", "Drafter training (wall time on this CPU)"),
                       ("tev_curve", "Base drafter learning curve (held-out)"),
+                      ("tev_drafters", "Drafters the rows ran (content fingerprints; one training each)"),
                       ("tev_target", "Tau-target cell (T = 0, more prompts; `tau_ci_low/high`: the micro tau's 95% interval, "
                                      "prompts as clusters; `ci_low/high`: the per-prompt mean's)")):
         t = read(name)
@@ -596,5 +677,5 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
     return lines
 
 
-__all__ = ["tev_tables", "arms_table", "claims_table", "calibration_table", "training_table", "curve_table",
+__all__ = ["tev_tables", "check_one_training", "arms_table", "claims_table", "calibration_table", "training_table", "curve_table",
            "prompt_sources", "steps_to_reach", "target_table", "report_section"]

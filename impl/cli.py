@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import logging
+import signal
 import sys
 from pathlib import Path
 from .provenance import process_git_state
@@ -712,15 +713,36 @@ COMMANDS.register("vskipper-bench", "impl.vskipper.commands:register")
 COMMANDS.register("sglang", "impl.vskipper.sglang_check:register")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception: raised in the main thread so that every ``finally`` / ``__exit__`` runs (child
+    servers started in their own session, e.g. :class:`impl.serving.sglang_server.SGLangServer`, are stopped
+    only there; Snakemake and ``timeout`` stop a job with SIGTERM)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> None:
+    """``python -m impl <command>``: parse the arguments, run the command.
+
+    Exit status: 0 done; 2 a bad config, argument or input (one ``error:`` line); 130 / 143 after SIGINT /
+    SIGTERM (one ``interrupted`` line; outputs are written whole or not at all, and the servers the command
+    started are stopped).
+    """
     from .config import ConfigError
 
     args = build_parser().parse_args(argv)
     process_git_state()  # the commit of the code this process runs, before the command (provenance)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         args.fn(args)
+    except KeyboardInterrupt as e:
+        name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("SIGINT", 130)
+        print(f"interrupted ({name}): {args.cmd} stopped (outputs are written whole or not at all)", file=sys.stderr)
+        raise SystemExit(code) from None
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -25,7 +25,7 @@ from .models.tiny import TinyArch
 from .registry import Registry
 from .schema import CoreConfig, Ead
 from .sections import section_defaults, section_schema
-from .workloads import FIELDS, check_data
+from .workloads import DATA_DIR_HINT, FIELDS, check_data
 
 #: the JSON schema of the core sections, generated from :class:`impl.schema.CoreConfig` (the method
 #: sections are added by :func:`full_schema`)
@@ -234,7 +234,7 @@ def check_config_paths(cfg: dict[str, Any]) -> None:
         src = " (from IMPL_DATA_DIR)" if os.environ.get("IMPL_DATA_DIR") else ""
         raise ConfigError(
             f"config: 'data_dir' = {data_dir}{src} is not a folder; point it (or the environment variable "
-            "IMPL_DATA_DIR) at the datasets listed in SOURCES.md (canonical copies: ../shared/data)")
+            f"IMPL_DATA_DIR) at {DATA_DIR_HINT}")
     for suite in cfg["workloads"]:
         try:
             check_data(suite, data_dir)

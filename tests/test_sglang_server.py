@@ -196,3 +196,67 @@ def test_upstream_sglang_greedy_ids_equal_transformers(tmp_path, tiny_tokenizer)
     assert summary["verdict"] == "PASS", json.dumps([r for r in rows if not r["ids_match"]])[:2000]
     assert [(r["mode"], r["prompt"]) for r in rows] == [(m, str(i)) for m in ("solo", "batched") for i in range(3)]
     assert summary["max_logprob_diff"] < 1e-3 and summary["policy"].startswith("ids equal")
+
+
+def test_sigterm_stops_sglang_check_and_its_server(tmp_path, tiny_tokenizer):
+    """SIGTERM (what Snakemake and ``timeout`` send) to ``python -m impl sglang-check`` stops the server it
+    started in its own session, prints one ``interrupted`` line, exits 143 and writes no output (the server
+    here is a stand-in interpreter that records its pid and never becomes ready)."""
+    import signal
+    import time
+
+    from conftest import DATA_DIR, save_wide_llama
+
+    save_wide_llama(tmp_path / "model", tiny_tokenizer)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3]}) + "\n")
+    pidfile = tmp_path / "server.pid"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 300\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "IMPL_DATA_DIR": str(DATA_DIR)}
+    p = subprocess.Popen([sys.executable, "-m", "impl", "sglang-check", "--config", str(ROOT / "configs" / "smoke.yaml"),
+                          "--model-dir", str(tmp_path / "model"), "--prompts", str(prompts), "--n-prompts", "1",
+                          "--max-new-tokens", "2", "--server-threads", "1", "--sglang-python", str(fake),
+                          "--out", str(tmp_path / "o.jsonl"), "--summary", str(tmp_path / "s.json")],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pidfile.exists() and pidfile.read_text().strip()):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "the stand-in server never started"
+            time.sleep(0.2)
+        server = int(pidfile.read_text())
+        time.sleep(1.0)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, err
+    assert "interrupted (SIGTERM): sglang-check stopped" in err and "Traceback" not in err, err
+    with pytest.raises(ProcessLookupError):  # the server's process group is gone
+        os.killpg(server, 0)
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "s.json").exists()
+
+
+def test_sglang_check_command_writes_its_verdict_and_server_threads(fake_sglang, tmp_path, tiny_tokenizer):
+    """``python -m impl sglang-check`` end to end against the stand-in server (which answers t + 1, t + 2, ...,
+    not the model's ids): rows and summary are written, the verdict is FAIL with exit status 1, and the summary
+    names the server's thread count."""
+    from conftest import DATA_DIR, save_wide_llama
+
+    save_wide_llama(tmp_path / "wide", tiny_tokenizer)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3]}) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path / "fake")]),
+           "IMPL_DATA_DIR": str(DATA_DIR)}
+    r = subprocess.run([sys.executable, "-m", "impl", "sglang-check", "--config", str(ROOT / "configs" / "smoke.yaml"),
+                        "--model-dir", str(tmp_path / "wide"), "--prompts", str(prompts), "--max-new-tokens", "3",
+                        "--server-threads", "1", "--sglang-python", sys.executable, "--out", str(tmp_path / "o.jsonl"),
+                        "--summary", str(tmp_path / "s.json")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and "sglang-check FAIL" in r.stdout, (r.stdout, r.stderr[-2000:])
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["verdict"] == "FAIL" and summary["server_threads"] == 1
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == summary["rows"] > 0

@@ -610,6 +610,8 @@ def test_switch_arguments_keep_infinite_thresholds(tmp_path):
     (["--ready-file", "/nonexistent/dir/port"], "--ready-file: folder /nonexistent/dir does not exist"),
     (["--log-level", "bogus"], "argument --log-level: invalid choice: 'BOGUS'"),
     (["--host", "no.such.host.invalid"], "--host: cannot resolve 'no.such.host.invalid'"),
+    (["--arm", "upstream", "--skipper", "randomskip:r=0.5,d=0.5"], "--skipper: --arm upstream serves the unmodified"),
+    (["--arm", "upstream", "--switch", "{}", "--thresholds", "t.json"], "--switch, --thresholds: --arm upstream"),
 ])
 def test_cli_refuses_bad_arguments_before_loading(model_dir, monkeypatch, capsys, extra, match):
     """Every bad argument is one ``error:`` line naming it, exit status 2, and no weights are read."""

@@ -15,6 +15,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from impl.workloads import DATA_DIR_HINT
+
 SOURCES = ("gsm8k_train", "sharegpt", "python_stdlib")
 _CALC = re.compile(r"<<[^>]*>>")
 
@@ -27,8 +29,7 @@ def need_file(path: Path) -> Path:
     """
     if not path.exists():
         raise FileNotFoundError(
-            f"training data not found: {path} (config key data_dir must point at a folder holding "
-            "the files listed in SOURCES.md; canonical copies are in ../shared/data)"
+            f"training data not found: {path} (config key data_dir must point at {DATA_DIR_HINT})"
         )
     return path
 

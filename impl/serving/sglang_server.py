@@ -27,6 +27,7 @@ work, and a prefix cache would let repeated prompts skip their prefill.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -246,19 +247,23 @@ class SGLangServer:
 
     def close(self, grace_s: float = 30.0) -> None:
         """SIGTERM to the server's process group (SGLang runs a scheduler and a detokenizer process),
-        SIGKILL after ``grace_s``."""
-        if self.proc is None or self.proc.poll() is not None:
+        SIGKILL after ``grace_s``. The group is signalled even when its leader has already exited (its
+        children may outlive it)."""
+        if self.proc is None:
             return
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
+            except ProcessLookupError:  # nothing left in the group
                 return
             try:
                 self.proc.wait(timeout=wait)
-                return
             except subprocess.TimeoutExpired:
                 continue
+            if sig == signal.SIGTERM:  # the leader is gone: make sure its children are too
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+            return
 
     def __enter__(self) -> "SGLangServer":
         return self.start()

@@ -347,6 +347,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--log-level", default="WARNING", type=str.upper,
                     choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"])
     args = ap.parse_args(argv)
+    if args.arm == "upstream":  # the dense arm binds no skipper and switches nothing: say so, do not ignore
+        given = [f for f, v in (("--skipper", args.skipper), ("--switch", args.switch),
+                                ("--thresholds", args.thresholds)) if v is not None]
+        if given:
+            ap.error(f"{', '.join(given)}: --arm upstream serves the unmodified (dense) model; skippers and the mode "
+                     "switch apply to the routed arms (e.g. --arm hybrid)")
     try:  # every argument checked before any weights are read
         cb_overrides = cb_overrides_from_args(args.cb)
         switch = _switch_arg(args.switch, args.thresholds)

@@ -4,6 +4,7 @@ Source: DEX-harness issue 2, item 4 (workloads).
 """
 
 from impl.workloads.suites import (
+    DATA_DIR_HINT,
     DATA_FILES,
     DEFAULT_TEMPLATES,
     FIELDS,
@@ -17,6 +18,7 @@ from impl.workloads.prompts import read_prompts
 from impl.workloads.tokenize import OVERLONG_RULES, tokenize_suite
 
 __all__ = [
+    "DATA_DIR_HINT",
     "DATA_FILES",
     "DEFAULT_TEMPLATES",
     "FIELDS",

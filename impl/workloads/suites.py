@@ -57,6 +57,12 @@ def _check_suite(suite: str) -> None:
         raise ValueError(f"unknown suite {suite!r}; choices: {', '.join(SUITES)}")
 
 
+#: where the datasets are, for error messages: the config default is relative to the working directory
+#: (a checkout beside the datasets), so a clone elsewhere sets IMPL_DATA_DIR (``source scripts/data_dir.sh``)
+DATA_DIR_HINT = ("the folder holding the files listed in SOURCES.md: ../shared/data beside the checkout, or set "
+                 "IMPL_DATA_DIR (source scripts/data_dir.sh falls back to /work/shared/data, this workplace's copies)")
+
+
 def check_data(suite: str, data_dir: str | Path) -> None:
     """Check that every file (or folder) ``suite`` needs exists under ``data_dir``.
 
@@ -78,8 +84,7 @@ def check_data(suite: str, data_dir: str | Path) -> None:
         if not p.exists():
             raise FileNotFoundError(
                 f"suite {suite!r}: missing {p} (config key data_dir={str(data_dir)!r}); point "
-                f"data_dir at a folder holding the files listed in SOURCES.md "
-                f"(canonical copies in ../shared/data)"
+                f"data_dir at {DATA_DIR_HINT}"
             )
 
 
@@ -149,8 +154,7 @@ def _load_bbh(root: Path) -> list[dict]:
         if not cot_path.is_file():
             raise FileNotFoundError(
                 f"suite 'bbh': missing {cot_path} (config key data_dir={str(root)!r}); point "
-                f"data_dir at a folder holding the files listed in SOURCES.md "
-                f"(canonical copies in ../shared/data)"
+                f"data_dir at {DATA_DIR_HINT}"
             )
         cot = _cot_prompt(cot_path)
         examples = json.loads(task_path.read_text(encoding="utf-8"))["examples"]

@@ -305,6 +305,7 @@ def cmd_sglang_check(args) -> None:
                          "--sglang-python / vskipper.sglang.python)")
     prompts, ids = load_prompts(args.prompts, args.n_prompts)
     prov = run_provenance(cfg)
+    meta = {"server_threads": launch.threads, "provenance": prov}  # what every summary adds to the check's own
     if args.routed is not None:
         r, d = args.routed
         if not (0.0 <= r <= 1.0 and 0.0 < d <= 1.0):
@@ -317,7 +318,7 @@ def cmd_sglang_check(args) -> None:
             args.model_dir, prompts, args.max_new_tokens, launch, r=r, d=d, routed_layers=args.routed_layers,
             seed=cfg.get("seed", 0), prompt_ids=ids, log_dir=args.server_log_dir)
         write_jsonl(args.out, [{**x, **prov} for x in rows])
-        write_json(args.summary, {**summary, "server_threads": launch.threads, "provenance": prov})
+        write_json(args.summary, {**summary, **meta})
         for arm, a in summary["arms"].items():
             print(f"sglang-check --routed {arm}: {a['verdict']} {a['ids_match']}/{a['rows']} rows with equal ids; "
                   f"Project-Only share {a['project_only_share']}; K/V check {a['kv_check_rows']} rows, max |diff| "
@@ -329,7 +330,7 @@ def cmd_sglang_check(args) -> None:
     rows, summary = check_greedy_against_transformers(args.model_dir, prompts, args.max_new_tokens, launch,
                                                       prompt_ids=ids, log_path=args.server_log)
     write_jsonl(args.out, [{**r, **prov} for r in rows])
-    write_json(args.summary, {**summary, "server_threads": launch.threads, "provenance": prov})
+    write_json(args.summary, {**summary, **meta})
     mlp = summary["max_logprob_diff"]
     print(f"sglang-check {summary['verdict']}: {summary['ids_match']}/{summary['rows']} (prompt, mode) rows with "
           f"equal ids; max |logprob diff| {'n/a' if mlp is None or math.isnan(mlp) else f'{mlp:.2e}'}; "

@@ -17,6 +17,7 @@ from impl.serving import (HTTPCompletionsArm, Request, cell_metrics, check_match
 ALLOWED = {"model", "prompt", "max_tokens", "stream", "temperature", "top_p", "seed", "stop", "suffix",
            "generation_config", "frequency_penalty"}
 NATURAL = 3  # visible tokens before the stand-in model's EOS
+ABORT_ID = 999  # a prompt starting with this id is aborted by the stand-in server, as SGLang streams an abort
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -41,6 +42,16 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(422, {"detail": f"Unexpected fields in the request: {unexpected}"})
         if not isinstance(body.get("prompt"), str):
             return self._json(400, {"detail": "prompt must be a string."})
+        if body["prompt"].split()[0] == str(ABORT_ID):  # SGLang's stream of a request its server aborted
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for chunk in ({"choices": [{"text": "w0 ", "index": 0, "finish_reason": None}]},
+                          {"choices": [{"text": "", "index": 0, "finish_reason": "abort"}]}):
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+            return
         n_max = int(body["max_tokens"])
         eos_off = body.get("generation_config") and json.loads(body["generation_config"]).get("eos_token_id") == -1
         n = n_max if eos_off else min(n_max, NATURAL + 1)  # + 1: the EOS counts, without text
@@ -120,3 +131,11 @@ def test_connection_error_is_recorded():
     rep = run_load(_arm("http://127.0.0.1:9"), [Request("x", (1,), 2), Request("y", (1,), 2)],
                    poisson_arrivals(50.0, n=2, seed=0), timeout_s=30)
     assert all(not r.ok and r.error for r in rep.records)
+
+
+def test_a_request_the_server_aborted_is_an_error_not_a_short_completion(server):
+    rep = run_load(_arm(server), [Request("a", (ABORT_ID, 1), 8), Request("b", (1, 2), 8)],
+                   poisson_arrivals(50.0, n=2, seed=0), timeout_s=30)
+    aborted, fine = rep.records
+    assert not aborted.ok and "finish_reason 'abort'" in aborted.error
+    assert fine.ok and fine.finish_reason == "stop"

@@ -169,6 +169,38 @@ def test_sglang_check_command_refuses_bad_arguments_before_any_server(tmp_path):
     assert r.returncode != 0 and "--sglang-python" in r.stderr and "setup_sglang.sh" in r.stderr
 
 
+def test_a_run_reuses_request_ids_only_after_sglangs_deferred_abort_has_fired(fake_sglang, monkeypatch):
+    """SGLang aborts a stream's rid 2 s after the stream ends if a request then holds that rid; runs of a cell
+    reuse ids, so SGLangArm.start waits RID_RELEASE_S after the previous run's streams ended (and a fresh
+    server, which holds no ids, needs no wait)."""
+    from impl.serving import sglang_arm as A
+
+    clock, slept = [100.0], []
+    monkeypatch.setattr(A.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(A.time, "sleep", lambda s: (slept.append(s), clock.__setitem__(0, clock[0] + s)))
+
+    class Alive:  # a running server process
+        returncode = None
+
+        def poll(self):
+            return None
+
+    arm = A.SGLangArm(SGLangLaunch(model_dir=fake_sglang, python=sys.executable), warmup_requests=0)
+    monkeypatch.setattr(arm, "_post", lambda path: None)
+    arm.server.proc, arm.server.port = Alive(), 9  # no request is sent (no warm-up)
+    arm.start()  # the first run on this server: nothing to wait for
+    clock[0] += 0.5
+    arm.stop()  # streams ended at t = 100.5
+    clock[0] += 1.0
+    arm.start()  # 1 s later: waits until 3 s after the streams ended
+    assert slept == [pytest.approx(A.RID_RELEASE_S - 1.0)] and clock[0] == pytest.approx(100.5 + A.RID_RELEASE_S)
+    arm.stop()
+    clock[0] += A.RID_RELEASE_S + 1
+    arm.start()  # long enough ago: no wait
+    assert len(slept) == 1 and arm.describe()["rid_release_waits_s"] == [0.0, pytest.approx(2.0), 0.0]
+    arm.server.proc = None  # nothing to close
+
+
 # -- the real thing (needs .venv-sglang) --------------------------------------------------------------------
 @needs_sglang
 def test_cpu_import_workaround_loads_sgl_kernel_where_the_wheel_cannot():

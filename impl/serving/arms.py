@@ -217,7 +217,10 @@ class HTTPCompletionsArm(Arm):
       ignore-EOS requests (``NotImplementedError``). The generation-config route follows the
       5.24 server source and is tested here against a stand-in server only (``fastapi`` is not
       installed in this environment, so ``transformers serve`` cannot start): check it against a
-      real server before relying on matched-work replay over HTTP.
+      real server before relying on matched-work replay over HTTP;
+    * a stream whose ``finish_reason`` is ``"abort"`` (SGLang's and vLLM's mark of a request the server
+      aborted, sent without an ``error`` field) is a failed request (``error`` set), never a short
+      completion.
 
     Args:
         base_url: server root, e.g. ``"http://127.0.0.1:8000"``.
@@ -353,6 +356,10 @@ class HTTPCompletionsArm(Arm):
                     if obj.get("usage"):
                         usage = obj["usage"]
                         tr.finish_time = now
+            if tr.error is None and tr.finish_reason == "abort":
+                # SGLang (and vLLM) end a request the server aborted with finish_reason "abort" and no error
+                # field: its tokens are not a completion, so the request failed
+                tr.error = "the server aborted the request (finish_reason 'abort')"
             if tr.error is None:
                 if tr.finish_time is None:
                     tr.finish_time = self.clock.now()

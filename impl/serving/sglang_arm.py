@@ -10,7 +10,14 @@ a run fresh state the way the in-process arm does, within what a server allows:
 - ``POST /flush_cache`` (SGLang frees every cached prefix; the server runs with ``--disable-radix-cache``
   anyway, so no request of one run reuses another's K/V);
 - ``warmup_requests`` requests of ``warmup_new_tokens`` tokens run to completion before the run's clock
-  starts (excluded from timing, as the in-process arm's warm-up).
+  starts (excluded from timing, as the in-process arm's warm-up);
+- a wait until :data:`RID_RELEASE_S` has passed since the previous run's last stream ended. SGLang
+  (``TokenizerManager.create_abort_task``, 0.5.x) gives every streamed completion a background task that,
+  2 s after the stream ends, aborts the request's ``rid`` if a request with that ``rid`` is live; the
+  protocol reuses request ids on purpose (lanes and repetitions of a cell send the same ids, which
+  request-hash routes depend on), so a request sent again within 2 s would be aborted by its
+  predecessor's task (it ends with ``finish_reason`` "abort" and no tokens; such a request is an error,
+  see :class:`~impl.serving.arms.HTTPCompletionsArm`).
 
 Requests go to ``/v1/completions`` with ``stream: true`` (one thread per request, no concurrency cap),
 the prompt as its **token ids** (never re-tokenized), ``ignore_eos: true`` on matched-work replay,
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import urllib.error
 import urllib.request
 from typing import Any, Sequence
@@ -36,7 +44,7 @@ from typing import Any, Sequence
 from .arms import Arm, HTTPCompletionsArm, RealClock, Trace, WorkloadHint
 from .sglang_server import SGLangLaunch, SGLangServer
 
-__all__ = ["SGLangArm", "WARMUP_PREFIX"]
+__all__ = ["RID_RELEASE_S", "SGLangArm", "WARMUP_PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,11 @@ log = logging.getLogger(__name__)
 #: server-side model may read a warm-up's arrival as the start of a run (vSkipper's routed model resets its
 #: mode controller there: :mod:`impl.vskipper.sglang_model`)
 WARMUP_PREFIX = "__warmup_"
+
+#: seconds a run waits after the previous run's last stream ended before it sends requests [s]: SGLang's
+#: deferred disconnect-abort fires 2 s after a stream ends and aborts whatever request then holds that
+#: ``rid`` (module docstring); 1 s of margin for a loaded event loop
+RID_RELEASE_S = 3.0
 
 
 class SGLangArm(Arm):
@@ -91,6 +104,8 @@ class SGLangArm(Arm):
         self.client: HTTPCompletionsArm | None = None
         self._prompt_lens: dict[str, int] = {}
         self._server_info: dict[str, Any] = {}
+        self._streams_ended_at: float | None = None  # time.monotonic() when the last run's streams ended
+        self.rid_release_waits_s: list[float] = []  # each start()'s wait for RID_RELEASE_S [s]
         self.runs = 0
 
     # ------------------------------------------------------------------ life cycle
@@ -102,6 +117,7 @@ class SGLangArm(Arm):
                                    f"{self.server.proc.returncode}; log {self.server.log_path}:\n{self.server.log_tail()}")
             self.server.start()
             self.server_starts += 1
+            self._streams_ended_at = None  # a fresh server holds no request ids
             self._server_info = self._get_json("/server_info")
             log.info("arm %s: SGLang %s up at %s after %.1f s", self.name, self._server_info.get("version"),
                      self.server.url, self.server.startup_s)
@@ -120,13 +136,27 @@ class SGLangArm(Arm):
             if bad:
                 raise RuntimeError(f"arm {self.name!r}: SGLang warm-up request failed: {bad}")
             self.client.start(hint)
+        self._await_rid_release()
         self._prompt_lens = {}
+
+    def _await_rid_release(self) -> None:
+        """Sleep until :data:`RID_RELEASE_S` has passed since the previous run's streams ended (module
+        docstring: SGLang aborts a reused ``rid`` within 2 s of its predecessor's end)."""
+        waited = 0.0
+        if self._streams_ended_at is not None:
+            waited = max(0.0, self._streams_ended_at + RID_RELEASE_S - time.monotonic())
+            if waited:
+                log.info("arm %s: waiting %.2f s until SGLang has released the previous run's request ids",
+                         self.name, waited)
+                time.sleep(waited)
+        self.rid_release_waits_s.append(round(waited, 3))
 
     def stop(self) -> None:
         """End the run (joins the request threads); the server keeps running until :meth:`close`, or, with
         ``server_per_run``, shuts down here (the next :meth:`start` starts a fresh one)."""
         if self.client is not None:
-            self.client.stop()
+            self.client.stop()  # joins every request thread: each stream has ended
+            self._streams_ended_at = time.monotonic()
         self.client = None
         if self.server_per_run and self.server.proc is not None:
             self.server.close()
@@ -188,6 +218,7 @@ class SGLangArm(Arm):
                 "device": self.launch.device, "max_total_tokens": state.get("max_total_num_tokens", info.get("max_total_tokens")),
                 "startup_s": self.server.startup_s, "server_per_run": self.server_per_run,
                 "server_starts": self.server_starts, "warmup_requests": self.warmup_requests,
+                "rid_release_s": RID_RELEASE_S, "rid_release_waits_s": list(self.rid_release_waits_s),
                 "endpoint": f"{self.server.url}/v1/completions" if self.server.port else None,
                 "prompt_as": "token_ids", "ignore_eos_via": "field"}
 

@@ -532,7 +532,8 @@ def latency_rows(tiny_model, oracle_drafter):
     arms = {name: VERIFIERS[name] for name in DEFAULT_VERIFIERS}
     arms["predraw_multinomial"] = functools.partial(predraw_follow, sampler="multinomial")
     return verifier_latency(tiny_model, oracle_drafter, PROMPTS, budgets=(4, 16), depth=4, temperature=0.3,
-                            n_trees=12, repeats=30, seed=3, verifiers=arms, rounds_per_prompt=4)
+                            n_trees=12, repeats=30, seed=3, verifiers=arms, rounds_per_prompt=4,
+                            isolated=("predraw_multinomial",), law_draws=50)
 
 
 def test_benchmark_rows_are_well_formed(latency_rows):
@@ -564,6 +565,21 @@ def test_benchmark_mean_block_lengths_agree(latency_rows):
         for r in rows:
             for s in rows:  # pairwise, within the combined sampling error
                 assert abs(r["mean_tau"] - s["mean_tau"]) < 4.5 * math.hypot(r["tau_se"], s["tau_se"])
+
+
+def test_benchmark_law_sample_holds_the_exit_law(latency_rows, tiny_model, oracle_drafter):
+    """The untimed law sample: law_draws calls per tree of every interleaved verifier (none for an isolated
+    one), each verifier's mean tau at 1 + C_p of the same trees within its sampling error (Eq. 11); its SE is
+    sqrt(law_draws / repeats) smaller than the timed calls' (here 50 vs 30 calls per tree)."""
+    for r in latency_rows:
+        if r["verifier"] == "predraw_multinomial":
+            assert r["law_n_calls"] == 0 and math.isnan(r["law_mean_tau"]) and math.isnan(r["law_tau_se"])
+            continue
+        assert r["law_n_calls"] == 12 * 50 and 0 < r["law_tau_se"] < r["tau_se"]
+        assert abs(r["law_mean_tau"] - r["expected_tau"]) < 4.5 * r["law_tau_se"], r
+    with pytest.raises(ValueError, match="law_draws"):
+        verifier_latency(tiny_model, oracle_drafter, PROMPTS, budgets=(4,), depth=4, n_trees=1, repeats=1,
+                         law_draws=-1)
 
 
 def test_restrict_vocab_keeps_the_tree_and_the_modes():
@@ -762,3 +778,11 @@ def test_report_tau_agreement():
     assert len(lines) == 2 and "B = 64" in lines[0] and lines[0].endswith("**PASS**")
     assert "+0.100" in lines[1] and lines[1].endswith("**FAIL**")
     assert _tau_agreement(pd.DataFrame([{"budget": 64, "verifier": "tev", "median_us": 1.0}])) == []
+    # the untimed law sample, where both arms have one, decides (its smaller SE resolves the same +0.05 gap)
+    law = [{**r, "n_calls": 90, "expected_tau": 1.45, "law_n_calls": 3000, "law_mean_tau": t, "law_tau_se": 0.005}
+           for r, t in zip(rows[:2], (1.40, 1.45))]
+    line, = _tau_agreement(pd.DataFrame(law))
+    assert "3000 untimed calls each" in line and "exit law 1 + C_p = 1.450" in line and line.endswith("**FAIL**")
+    law[0]["law_n_calls"] = 0  # predraw without a law sample: the timed calls decide
+    line, = _tau_agreement(pd.DataFrame(law))
+    assert "the 90 timed calls" in line and line.endswith("**PASS**")

@@ -173,7 +173,7 @@ def cmd_tev_latency(args) -> None:
     rows = verifier_latency(target, drafter, prompts, budgets=tuple(lat.budgets), depth=t.depth,
                             temperature=lat.temperature, n_trees=lat.trees, repeats=lat.repeats,
                             seed=core_config(cfg).seed, verifiers=verifiers, isolated=("predraw_ddtree_multinomial",),
-                            vocab_sizes=tuple(lat.vocab_sizes))
+                            vocab_sizes=tuple(lat.vocab_sizes), law_draws=lat.law_draws)
     prov = {**run_provenance(cfg), "drafter_fingerprint": drafter.fingerprint(), "target_fingerprint": model_fingerprint(target)}
     write_jsonl(args.out, [{**r, "model": args.model, **prov} for r in rows])  # rows carry vocab_size
 

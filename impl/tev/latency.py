@@ -17,13 +17,17 @@ target tree forward. :func:`verifier_latency` reproduces that protocol:
    and everything under ``torch.inference_mode`` (as DDTree's generation loop runs); reference arms
    named ``isolated`` (DDTree's ``torch.multinomial`` predraw, which streams megabytes of
    temporaries through the caches) are timed in passes of their own after the interleaved ones;
-3. the round then commits one exact path (TEV's, untimed) to the real cache and decoding continues.
+3. with ``law_draws > 0``, every interleaved verifier then makes ``law_draws`` untimed calls on the
+   tree from its own generator: the tau-law sample (step 2's ``repeats`` calls per tree are too few
+   to test Eq. 11 sharply);
+4. the round then commits one exact path (TEV's, untimed) to the real cache and decoding continues.
 
 Per (budget, verifier) it reports the per-tree median latency (median and mean over trees, plus the
 decision and commit parts), the ratio to the baseline verifier (median of the per-tree ratios and
 ratio of the means) and the mean output-block length tau = D + 1 (bonus counted, micro average over
 every timed call) against 1 + mean C_p(T) of the same trees (Eq. 11: E[tau | T] = 1 + C_p(T) for
-every exact verifier), with its standard error, for the tau-agreement check. Timing is wall-clock
+every exact verifier), with its standard error, and the same over the untimed law sample
+(``law_*`` columns), for the tau-agreement check. Timing is wall-clock
 on the calling thread: compare arms only within one call, as ratios (DESIGN.md "Timing").
 
 How the ratio moves with the vocabulary V (``vocab_sizes``): on each realized tree every verifier is
@@ -183,6 +187,7 @@ def verifier_latency(
     rounds_per_prompt: int = 8,
     isolated: Sequence[str] = (),
     vocab_sizes: Sequence[int] = (),
+    law_draws: int = 0,
 ) -> list[dict]:
     """Time verifier decision + cache commit per realized tree, interleaved across verifiers
     (TEV App. D.1, Table 3; protocol in the module docstring).
@@ -213,6 +218,10 @@ def verifier_latency(
         vocab_sizes: V' values below the target's V at which every verifier is also timed on the
             same trees (:func:`restrict_vocab`; values >= V are skipped); each needs
             ``V' >= 2 * max(budgets) + 1``.
+        law_draws: untimed calls per tree of every interleaved (not ``isolated``) verifier after its
+            timed ones, from its own generator: the sample of the tau-law columns (Cor. 1, TEV's and
+            predraw's mean tau both 1 + C_p on the same trees). The timed calls alone (``repeats`` per
+            tree) are too few to test the law sharply; 0: no law sample (the law columns are NaN).
 
     Memory: each tree holds ``(warmup + repeats) * len(verifiers)`` deep copies of the KV cache.
 
@@ -229,18 +238,22 @@ def verifier_latency(
         ``ratio_median`` for the decision alone), ``mean_tau`` (micro average of tau = len(path) = D + 1 over the
         timed calls), ``tau_se`` (standard error of mean tau - (1 + C_p), from the per-call
         deviations tau - 1 - C_p(tree)), ``expected_tau`` (1 + mean C_p of the trees), ``mean_cp``,
-        ``mean_tree_size`` (non-root nodes) and ``tree_us`` (the per-tree median latencies, in tree
-        order, for other pairings).
+        ``mean_tree_size`` (non-root nodes), ``tree_us`` (the per-tree median latencies, in tree
+        order, for other pairings), and the tau-law sample's ``law_n_calls`` (``law_draws`` x trees,
+        0 for isolated verifiers), ``law_mean_tau`` and ``law_tau_se`` (as ``mean_tau`` / ``tau_se``,
+        over those untimed calls).
 
     Raises:
         ValueError: no prompts, a bad prompt, ``depth`` outside ``[1, block_size]``, a budget < 1,
-            ``n_trees`` / ``repeats`` < 1, ``warmup`` < 0, T < 0, unknown verifiers or a baseline
+            ``n_trees`` / ``repeats`` < 1, ``warmup`` / ``law_draws`` < 0, T < 0, unknown verifiers or a baseline
             not among them, a ``vocab_sizes`` entry below ``2 * max(budgets) + 1``, or a prompt too
             long for ``rounds_per_prompt`` rounds in the context.
     """
     arms = _resolve(verifiers)
     _check_latency_args(target, drafter, prompts, arms, baseline, isolated, budgets, depth, temperature,
                         n_trees, repeats, warmup, rounds_per_prompt, vocab_sizes)
+    if isinstance(law_draws, bool) or not isinstance(law_draws, int) or law_draws < 0:
+        raise ValueError(f"law_draws must be an int >= 0, got {law_draws!r}")
     device = next(target.parameters()).device
     rows: list[dict] = []
     for budget in budgets:
@@ -258,7 +271,8 @@ def verifier_latency(
                 tag = "" if width == V else f":V{width}"
                 timed = _time_tree(arms, g, t, p, cache, prefix_len, repeats, warmup,
                                    order_seed=f"{seed}:{budget}:{len(acc.cps)}{tag}", isolated=isolated)
-                acc.add(timed, target_coverage(t.parents, t.tokens, p), len(t) - 1)
+                law = _law_sample({n: f for n, f in arms.items() if n not in isolated}, g, t, p, law_draws)
+                acc.add(timed, target_coverage(t.parents, t.tokens, p), len(t) - 1, law)
         full = max(accs)
         for width, acc in accs.items():
             rows += [{"vocab_size": width, "restricted": width < full, **r}
@@ -295,6 +309,15 @@ def _check_latency_args(target, drafter, prompts, arms, baseline, isolated, budg
         if ctx_len is not None and len(p) + rounds_per_prompt * (depth + 1) + max(budgets) + 1 > ctx_len:
             raise ValueError(f"a prompt of {len(p)} tokens leaves no room for {rounds_per_prompt} rounds of depth "
                              f"{depth} and budget {max(budgets)} in the context of {ctx_len}")
+
+
+def _law_sample(arms: Mapping[str, Callable], gens: Mapping[str, torch.Generator], tree, probs,
+                draws: int) -> dict[str, list[int]]:
+    """``draws`` untimed calls of every arm on one tree, each from its own generator: per arm the
+    accepted lengths tau = len(path) (the tau-law sample of :func:`verifier_latency`)."""
+    plan = tree.plan()
+    return {name: [len(f(tree.parents, tree.tokens, probs, gens[name], validate=False, plan=plan)[0])
+                   for _ in range(draws)] for name, f in arms.items()}
 
 
 def _realized_trees(target, drafter, prompts, budget: int, depth: int, temperature: float, n_trees: int,
@@ -355,11 +378,18 @@ class _BudgetTimings:
         self.per_tree_dec: dict[str, list[float]] = {n: [] for n in self.names}  # median decision [s]
         self.per_tree_com: dict[str, list[float]] = {n: [] for n in self.names}  # median commit [s]
         self.dev: dict[str, list[float]] = {n: [] for n in self.names}  # tau - 1 - C_p(tree) per call
+        self.law_taus: dict[str, list[int]] = {n: [] for n in self.names}  # untimed calls' tau
+        self.law_dev: dict[str, list[float]] = {n: [] for n in self.names}  # their tau - 1 - C_p(tree)
         self.cps: list[float] = []
         self.sizes: list[int] = []
 
-    def add(self, timed: Mapping[str, list[tuple[float, float, int]]], cp: float, size: int) -> None:
-        """One tree's ``(decision_s, commit_s, tau)`` calls per verifier, its C_p and its non-root size."""
+    def add(self, timed: Mapping[str, list[tuple[float, float, int]]], cp: float, size: int,
+            law: Mapping[str, list[int]] | None = None) -> None:
+        """One tree's ``(decision_s, commit_s, tau)`` calls per verifier, its C_p, its non-root size and
+        the untimed law sample's tau per verifier (:func:`_law_sample`)."""
+        for name, taus in (law or {}).items():
+            self.law_taus[name] += taus
+            self.law_dev[name] += [tau - 1.0 - cp for tau in taus]
         for name, got in timed.items():
             self.calls[name] += got
             self.per_tree[name].append(_median([a + b for a, b, _ in got]))
@@ -403,8 +433,17 @@ class _BudgetTimings:
                 "mean_cp": _mean(self.cps),
                 "mean_tree_size": _mean(self.sizes),
                 "tree_us": [1e6 * t for t in self.per_tree[name]],
+                **_law_columns(self.law_taus[name], self.law_dev[name]),
             })
         return out
+
+
+def _law_columns(taus: Sequence[int], dev: Sequence[float]) -> dict:
+    """``law_n_calls``, ``law_mean_tau`` and ``law_tau_se`` of one verifier's untimed sample (NaN when
+    it has fewer than two calls)."""
+    n = len(taus)
+    return {"law_n_calls": n, "law_mean_tau": _mean(taus) if n else float("nan"),
+            "law_tau_se": statistics.stdev(dev) / n ** 0.5 if n > 1 else float("nan")}
 
 
 def bigram_drafter(target, block_size: int = 8, sharpen: float = 1.0) -> FixedDrafter:

@@ -577,7 +577,9 @@ def _tau_agreement(lat: pd.DataFrame, z: float = 1.96) -> list[str]:
     """One line per budget: TEV's and predraw's mean tau on the same realised trees agree within
     sampling error (Theorem 1: both attain 1 + C_p(T)); the difference of the means is compared with
     ``z`` times the combined standard error of the two arms' independent draws (``tau_se`` of each:
-    the SE of tau - 1 - C_p over its calls, so the trees' own spread, common to both, cancels)."""
+    the SE of tau - 1 - C_p over its calls, so the trees' own spread, common to both, cancels). The
+    untimed law sample (``law_*`` columns of :func:`impl.tev.latency.verifier_latency`) is read where
+    both arms have one, the timed calls otherwise; the line names which."""
     out = []
     if not {"mean_tau", "tau_se"} <= set(lat.columns):
         return out
@@ -585,11 +587,19 @@ def _tau_agreement(lat: pd.DataFrame, z: float = 1.96) -> list[str]:
         sub = sub.set_index("verifier")
         if not {"tev", "predraw_follow"} <= set(sub.index):
             continue
-        diff = float(sub.at["tev", "mean_tau"] - sub.at["predraw_follow", "mean_tau"])
-        bound = z * math.hypot(float(sub.at["tev", "tau_se"]), float(sub.at["predraw_follow", "tau_se"]))
+        arms = sub.loc[["tev", "predraw_follow"]]
+        law = "law_n_calls" in sub.columns and bool((arms["law_n_calls"].fillna(0) > 1).all())
+        mean, se, n = (("law_mean_tau", "law_tau_se", "law_n_calls") if law else ("mean_tau", "tau_se", "n_calls"))
+        tev, pre = float(sub.at["tev", mean]), float(sub.at["predraw_follow", mean])
+        diff = tev - pre
+        bound = z * math.hypot(float(sub.at["tev", se]), float(sub.at["predraw_follow", se]))
         ok = abs(diff) <= bound
-        out.append(f"- TEV and predraw mean tau on the same trees at B = {int(b)}: "
-                   f"{float(sub.at['tev', 'mean_tau']):.3f} vs {float(sub.at['predraw_follow', 'mean_tau']):.3f}, "
+        calls = f"{int(sub.at['tev', n])} " if n in sub.columns else ""
+        sample = f"{calls}untimed calls each" if law else f"the {calls}timed calls"
+        expected = (f", exit law 1 + C_p = {float(sub.at['tev', 'expected_tau']):.3f}"
+                    if "expected_tau" in sub.columns else "")
+        out.append(f"- TEV and predraw mean tau on the same trees at B = {int(b)} ({sample}): "
+                   f"{tev:.3f} vs {pre:.3f}{expected}, "
                    f"difference {diff:+.3f} within {z:g} combined SE ({bound:.3f}): **{'PASS' if ok else 'FAIL'}**")
     return out
 

@@ -86,6 +86,9 @@ class Latency(Section):
                                       "timed on the same trees, restricted to V' columns (how the ratio moves with V); "
                                       "each >= 2 * max(budgets) + 1; values >= V are skipped",
                                       json_schema_extra={"uniqueItems": True})
+    law_draws: Annotated[int, Field(ge=0)] = Field(
+        100, description="untimed calls per tree of every interleaved verifier for the tau-law check (Cor. 1: TEV and "
+                         "predraw both at 1 + C_p on the same trees); 0: the check reads the timed calls only")
 
 
 class TevSection(Section):

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Callable, NoReturn
 
-__all__ = ["ArgumentParser", "fraction", "json_object", "nonneg_float", "nonneg_int", "port", "positive_float",
-           "positive_int", "temperature", "usage_error"]
+__all__ = ["ArgumentParser", "fraction", "json_object", "nonneg_float", "nonneg_int", "output_file", "port",
+           "positive_float", "positive_int", "temperature", "usage_error"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -90,6 +91,22 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {type(value).__name__}")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file the command will write (``--out rows.jsonl``, ``--summary s.json``): refused when it names an
+    existing directory, before any work, since writing the file would have to replace the whole folder
+    (:func:`impl.provenance.atomic_path` refuses that too, as the last guard). A missing parent folder is
+    fine (it is created).
+
+    Raises:
+        argparse.ArgumentTypeError: empty, or an existing directory.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path, got ''")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is an existing directory; give the path of the file to write")
+    return text
 
 
 def usage_error(message: str) -> NoReturn:

@@ -18,7 +18,8 @@ from .provenance import process_git_state
 from .registry import Registry
 from .runtime import config_from_args, load_for, run_provenance, set_threads
 from .schema import core_config, prompt_cap
-from .argtypes import ArgumentParser, json_object, nonneg_float, nonneg_int, positive_int, temperature, usage_error
+from .argtypes import (ArgumentParser, json_object, nonneg_float, nonneg_int, output_file, positive_int, temperature,
+                       usage_error)
 from .workloads.prompts import read_prompts
 
 log = logging.getLogger("impl")
@@ -590,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tokenizer", required=True)
     sp.add_argument("--corpus", required=True)
     sp.add_argument("--out", required=True, help="model directory to write")
-    sp.add_argument("--summary", required=True, help="training summary JSON to write")
+    sp.add_argument("--summary", type=output_file, required=True, help="training summary JSON to write")
     sp = add("convert-gguf", cmd_convert_gguf,
              "convert a model's GGUF source (models.<name>.gguf) into a checked Hugging Face directory")
     sp.add_argument("--model", required=True, help="model name (a key of models: with a gguf source)")
@@ -599,24 +600,24 @@ def build_parser() -> argparse.ArgumentParser:
              "train DEX inducing adapters (App. C.2) for a frozen model by KL self-distillation on ShareGPT")
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--out", required=True, help="adapter directory to write")
-    sp.add_argument("--summary", required=True, help="training summary JSON to write")
+    sp.add_argument("--summary", type=output_file, required=True, help="training summary JSON to write")
     sp = add("train-draft", cmd_train_draft,
              "a small draft model for the speculative arms: the model's layers at evenly spaced depths, distilled to it")
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--out", required=True, help="draft model directory to write (Hugging Face format)")
-    sp.add_argument("--summary", required=True, help="training summary JSON to write")
+    sp.add_argument("--summary", type=output_file, required=True, help="training summary JSON to write")
     sp = add("workload", cmd_workload, "freeze a text prompt suite (seeded sample of N prompts)")
     sp.add_argument("--suite", required=True, choices=list(SUITES))
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", type=output_file, required=True)
     sp = add("tokenize", cmd_tokenize, "tokenize a text suite with a model's tokenizer (token-id JSONL)")
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--prompts", required=True, help="text suite JSONL (rows: id, text; suite and source_id kept if present)")
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", type=output_file, required=True)
     sp = add("ead", cmd_ead, "oracle EAD measurement: one row per generated token")
     sp.add_argument("--model", required=True, help="model name recorded in the rows")
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--prompts", required=True, help="token-id JSONL (rows: id, input_ids)")
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", type=output_file, required=True)
     sp.add_argument("--max-new-tokens", type=positive_int, help="override ead.max_new_tokens")
     sp = add("ead-shared", cmd_ead_shared,
              "stable EAD of several models teacher-forced on each other's generations (shared contexts)")
@@ -624,12 +625,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model-dirs", nargs="+", required=True, help="their directories (same order)")
     sp.add_argument("--ead", nargs="+", required=True, help="their EAD row files (same order)")
     sp.add_argument("--prompts", required=True, help="token-id prompt file (shared tokenizer)")
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", type=output_file, required=True)
     sp = add("ar-bench", cmd_ar_bench, "AR decoding throughput, one row per prompt and repetition")
     sp.add_argument("--model", required=True)
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--prompts", required=True)
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", type=output_file, required=True)
     sp.add_argument("--max-new-tokens", type=positive_int, help="override ar_bench.max_new_tokens")
     sp = add("decode", cmd_decode, f"decode a prompt file with one method ({', '.join(METHODS)}); "
              "each row checked against AR", config=False)
@@ -639,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "'{\"exit_layer\": 4, \"num_speculations\": 4}', lookahead "
                     "'{\"window\": 5, \"ngram\": 4, \"max_candidates\": 5}'")
     sp.add_argument("--prompts", required=True, help="JSONL rows with id and input_ids or text")
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", type=output_file, required=True)
     sp.add_argument("--max-new-tokens", type=positive_int, default=64)
     sp.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
     sp.add_argument("--seed", type=nonneg_int, default=0, help="seed of the per-position Gumbel noise")
@@ -662,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tev-drafters", help="the model's TEV drafters directory (tev-train), for dex.speculative.dflash")
     sp.add_argument("--prompts", required=True, help="token-id suite: first dex.n_prompts evaluated, the next "
                     "dex.baselines.tune_prompts used for tuning")
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", type=output_file, required=True)
     sp = add("dex-tables", cmd_dex_tables, "DEX tables (Fig. 3/4, Table 1, claims, walltime model) from cell rows", config=False)
     sp.add_argument("--cells", nargs="+", required=True, help="dex-cell row files")
     sp.add_argument("--adapters", nargs="*", default=[], help="adapter training summaries")
@@ -692,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("report", cmd_report, "write results/REPORT.md", config=False)
     sp.add_argument("--tables-dir", required=True)
     sp.add_argument("--figures-dir", required=True)
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", type=output_file, required=True)
     sp.add_argument("--config-name", default="configs/default.yaml")
     sp.add_argument("--section", action="append", default=[],
                     help="NAME=TABLES_DIR of a method family's report section (repeatable; names in "
@@ -743,6 +744,6 @@ def main(argv: list[str] | None = None) -> None:
         name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("SIGINT", 130)
         print(f"interrupted ({name}): {args.cmd} stopped (outputs are written whole or not at all)", file=sys.stderr)
         raise SystemExit(code) from None
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, IsADirectoryError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -135,8 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             check(args[1:])
         else:
             path = report_path(args[1:])
-            if path:
+            if path and Path(path).is_file():
                 print(f"report: {path}")
+            elif path:  # a run of chosen targets builds no report
+                print(f"no report yet: {path} is written by a run of the whole DAG (no target)")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

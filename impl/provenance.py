@@ -108,8 +108,13 @@ def provenance(
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` only on success.
 
-    Works for files and directories. On an exception the temporary is removed and ``path`` is left
+    Works for files and directories: a directory output replaces an existing directory whole (a rerun of
+    a training replaces its checkpoint). On an exception the temporary is removed and ``path`` is left
     untouched, so a rule never sees a partial output.
+
+    Raises:
+        IsADirectoryError: a file output whose ``path`` is an existing directory (the directory is kept;
+            the command-line boundary refuses it before any work: :func:`impl.argtypes.output_file`).
     """
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +123,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield target
         if dest.is_dir() and not dest.is_symlink():
+            if not target.is_dir():
+                raise IsADirectoryError(f"{dest} is an existing directory; refusing to replace it with a file")
             shutil.rmtree(dest)
         os.replace(target, dest)
     finally:

@@ -26,7 +26,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from .argtypes import ArgumentParser, nonneg_int, positive_float, positive_int
+from .argtypes import ArgumentParser, nonneg_int, output_file, positive_float, positive_int
 
 __all__ = ["Ranks", "add_run_args", "fail", "select_device", "init_process_group", "usable_prompts"]
 
@@ -54,7 +54,7 @@ def add_run_args(ap: ArgumentParser, *, prompts_help: str = "JSONL rows with id 
     """Add the arguments every torchrun command takes: ``--prompts --out --max-new-tokens --n-prompts
     --ignore-eos --warmup-prompts --threads --timeout-s --device``. Returns ``ap``."""
     ap.add_argument("--prompts", required=True, help=prompts_help)
-    ap.add_argument("--out", required=True, help="JSONL file rank 0 writes, one row per prompt")
+    ap.add_argument("--out", type=output_file, required=True, help="JSONL file rank 0 writes, one row per prompt")
     ap.add_argument("--max-new-tokens", type=positive_int, default=64)
     ap.add_argument("--n-prompts", type=positive_int, default=None, help="decode only the first N prompts")
     ap.add_argument("--ignore-eos", action="store_true")

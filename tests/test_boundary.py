@@ -217,3 +217,47 @@ def test_rows_are_strict_json(tmp_path):
     write_json(tmp_path / "r.json", {"x": np.float64("nan"), "y": np.arange(2)})
     assert json.loads((tmp_path / "r.json").read_text(), parse_constant=strict) == {"x": None, "y": [0, 1]}
     assert strict_json({"k": 1}) == '{"k": 1}'
+
+
+def test_a_file_output_naming_a_directory_is_refused_and_the_directory_kept(capsys, tmp_path):
+    """``--out`` naming an existing folder used to replace the folder (and all in it) with the rows file:
+    the argument is refused before any work, and atomic_path, the last guard, keeps the folder too."""
+    from impl.argtypes import output_file
+    from impl.provenance import atomic_path
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("mine")
+    err = _cli_error(capsys, ["decode", "--model-dir", str(tmp_path / "none"), "--method", "ar", "--prompts",
+                              str(tmp_path / "p.jsonl"), "--out", str(folder)])
+    assert "argument --out" in err and "is an existing directory" in err
+    with pytest.raises(IsADirectoryError, match="refusing to replace it with a file"):
+        write_json(folder, {"a": 1})
+    with atomic_path(folder) as tmp:  # a directory output still replaces a directory whole (a rerun)
+        tmp.mkdir()
+        (tmp / "new.txt").write_text("2")
+    assert [p.name for p in folder.iterdir()] == ["new.txt"]
+    assert output_file(str(tmp_path / "missing" / "rows.jsonl")).endswith("rows.jsonl")
+
+
+@pytest.mark.parametrize("have, prompts, needle", [
+    (("base", "token", "prefix", "opd"), '{"id": "a", "input_ids": [1, 2]}\n', "no exit drafter"),
+    ((), '{"id": "a", "input_ids": [1, 2]}\n', "no base, token, prefix, exit, opd drafter"),
+    (("base", "token", "prefix", "exit", "opd"), "", "--prompts"),
+])
+def test_tev_cell_refuses_missing_drafters_and_empty_prompts_before_loading(capsys, tmp_path, data_dir, have,
+                                                                            prompts, needle):
+    """A drafters folder lacking one of the config's objectives used to drop that objective's arms silently
+    (20 rows instead of 28, accepted by the rule), and an empty prompts file wrote a 0-row cell: both are
+    one-line errors now, before the (missing) model is read, and no output is written."""
+    from conftest import smoke_config
+
+    (tmp_path / "cfg.json").write_text(json.dumps(smoke_config(data_dir=str(data_dir))))
+    for k in have:
+        (tmp_path / "drafters" / k).mkdir(parents=True)
+    (tmp_path / "p.jsonl").write_text(prompts)
+    err = _cli_error(capsys, ["tev-cell", "--config-json", f"@{tmp_path / 'cfg.json'}", "--model", "tiny-ls",
+                              "--model-dir", str(tmp_path / "none"), "--drafters", str(tmp_path / "drafters"),
+                              "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl")])
+    assert needle in err, err
+    assert not (tmp_path / "o.jsonl").exists()

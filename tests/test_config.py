@@ -168,6 +168,16 @@ def test_tev_target_prompts_fit_the_frozen_suites(cfg):
     assert validate_config(cfg)["tev"]["target_prompts"] is None
 
 
+def test_tev_latency_vocab_sizes_hold_the_largest_tree(cfg):
+    """A restricted vocabulary below 2 * max(budgets) + 1 is refused when the config is read, naming the
+    key, not by tev-latency after the model is loaded."""
+    cfg["tev"]["latency"] = {"budgets": [32, 64], "vocab_sizes": [4096, 100]}
+    msg = _err(cfg)
+    assert "'tev.latency.vocab_sizes[1]' = 100" in msg and "= 129" in msg
+    cfg["tev"]["latency"]["vocab_sizes"] = [129]
+    assert validate_config(cfg)["tev"]["latency"]["vocab_sizes"] == [129]
+
+
 def test_an_overlay_alone_is_named_as_such():
     """An overlay given alone lacks the top-level keys: the one-line error says to merge it onto a full config."""
     raw = yaml.safe_load((ROOT / "configs" / "sglang.yaml").read_text())

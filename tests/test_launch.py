@@ -56,6 +56,19 @@ def test_smoke_config_and_overlay_pass_and_a_bad_override_names_its_key(monkeypa
     assert report_path(["--configfile", "configs/smoke.yaml", "-n"]) is None
 
 
+def test_report_path_names_the_report_only_once_it_exists(monkeypatch, data_dir, tmp_path, capsys):
+    """run.sh's last line: a run of chosen targets builds no report, so it says so instead of pointing at a
+    file that is not there."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("IMPL_DATA_DIR", str(data_dir))
+    argv = ["report-path", "--configfile", "configs/smoke.yaml", "--config", f"results_dir={tmp_path}"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip() == f"no report yet: {tmp_path}/REPORT.md is written by a run of the whole DAG (no target)"
+    (tmp_path / "REPORT.md").write_text("# report\n")
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip() == f"report: {tmp_path}/REPORT.md"
+
+
 def test_main_prints_one_line_and_exits_2(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("a: 1\na: 2\n")

@@ -124,6 +124,28 @@ def test_calibration_is_a_familywise_check():
     assert tiny["p_value"].iloc[0] < 1e-6 and tiny["calibrated"].iloc[0]  # |0.01| < 0.05 tokens
 
 
+def test_a_pair_of_one_prompt_is_untestable_not_calibrated(tmp_path):
+    """One prompt gives no interval and no p-value: such a pair passes only within the tolerance, and the
+    report's calibration line reads UNCHECKED (not PASS, which it used to read for a 0.6-token gap), while a
+    testable failing pair still makes it FAIL."""
+    from impl.tev.report import calibration_table
+
+    noise = [0.1, -0.1] * 8
+    one = calibration_table(_calibration_rows({**{f"arm{i}": noise for i in range(3)}, "chain": [0.61],
+                                               "close": [0.02]})).set_index("arm")
+    assert not one.at["chain", "testable"] and not one.at["chain", "calibrated"]
+    assert not one.at["chain", "calibrated_per_pair"]
+    assert one.at["close", "calibrated"] and one.at["arm0", "testable"] and one.at["arm0", "calibrated"]
+    line = next(x for x in report_section_of({"tev_calibration": one.reset_index()}, tmp_path / "one")
+                if x.startswith("- exit-law calibration"))
+    assert "**UNCHECKED**" in line and "4/5 pairs pass" in line
+    assert "untestable (fewer than 2 prompts): chain at T = 1" in line and "failing" not in line
+    both = calibration_table(_calibration_rows({"chain": [0.61], "broken": [d / 10 + 0.3 for d in noise]}))
+    line = next(x for x in report_section_of({"tev_calibration": both}, tmp_path / "both")
+                if x.startswith("- exit-law calibration"))
+    assert "**FAIL**" in line and "failing: broken at T = 1" in line
+
+
 def _target_rows(model, suite, per_prompt):
     """Tau-target cell rows: for each prompt, AR, DDTree and ExitTrain + TEV with the given taus."""
     rows = []

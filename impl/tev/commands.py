@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from ..argtypes import output_file
 from ..schema import core_config
 from ..workloads.prompts import read_prompts
 from .schema import tev_section
 
 log = logging.getLogger("impl")
 
-DRAFTER_KEYS = ("base", "token", "prefix", "exit", "opd")
 
 
 def cmd_tev_train(args) -> None:
@@ -118,19 +118,26 @@ def cmd_tev_cell(args) -> None:
 
     cfg = config_from_args(args)
     t = tev_section(cfg)
+    root = Path(args.drafters)
+    wanted = ["base", *t.exittrain.objectives]  # what tev-train saved for this config: every arm needs its drafter
+    missing = [k for k in wanted if not (root / k).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"--drafters {root}: no {', '.join(missing)} drafter (tev.exittrain.objectives "
+                                f"{list(t.exittrain.objectives)} plus base; built by the tev_train rule / python -m "
+                                "impl tev-train with the same config)")
+    prompts = [p for p in read_prompts(args.prompts) if p.get("input_ids")]
+    if not prompts:
+        raise ValueError(f"--prompts {args.prompts}: no prompt with input_ids (a token-id suite: rule workload_tokens)")
     set_threads(cfg)
     target = load_for(cfg, args.model_dir)
-    root = Path(args.drafters)
-    drafters = {k: BlockDrafter.load(root / k, target) for k in DRAFTER_KEYS if (root / k).is_dir()}
-    if "base" not in drafters:
-        raise FileNotFoundError(f"no base drafter under {root} (built by the tev_train rule / python -m impl tev-train)")
+    drafters = {k: BlockDrafter.load(root / k, target) for k in wanted}
     if args.target:  # the tau-target cell: three arms at T = 0 on tev.target_prompts prompts
         if t.target_prompts is None:
             raise ValueError("tev-cell --target: the config's tev.target_prompts is null (the target cell is off)")
         n, arms, temperatures = t.target_prompts, target_arms(t.budget, tuple(drafters)), [0.0]
     else:
         n, arms, temperatures = t.n_prompts, tev_arms(t.budget, t.budgets, tuple(drafters)), t.temperatures
-    prompts = [p for p in read_prompts(args.prompts) if p.get("input_ids")][:n]
+    prompts = prompts[:n]
     eos = target.config.eos_token_id if t.stop_at_eos else None
     rows = run_tev_cell(target, drafters, prompts, arms, temperatures=temperatures, depth=t.depth,
                         max_new_tokens=t.max_new_tokens, eos=eos, seed=core_config(cfg).seed,
@@ -223,25 +230,25 @@ def register(add) -> None:
     sp = add("tev-train", cmd_tev_train, "TEV: rollouts, base drafter, ExitTrain objectives (token/prefix/exit) and Draft-OPD")
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--out", required=True, help="directory for the drafters (base/, token/, prefix/, exit/, opd/)")
-    sp.add_argument("--summary", required=True, help="training summary JSON")
+    sp.add_argument("--summary", type=output_file, required=True, help="training summary JSON")
     sp.add_argument("--dex-head", action="store_true",
                     help="train only the base drafter, with dex.speculative.dflash.drafter's settings (DEX Fig. 5's "
                          "trained-head arm for a model not in tev.models)")
 
     def target_args(sp, drafters_help: str) -> None:  # the arguments tev-cell and tev-latency share
         sp.add_argument("--model", required=True, help="model name recorded in the rows")
-        sp.add_argument("--model-dir", required=True, help="the target model's directory (a trained tiny model)")
+        sp.add_argument("--model-dir", required=True, help="the target model's directory (a trained tiny model or a converted one, e.g. models/smollm2)")
         sp.add_argument("--drafters", required=True, help=drafters_help)
         sp.add_argument("--prompts", required=True, help="token-id prompt suite (first tev.n_prompts used)")
 
     sp = add("tev-cell", cmd_tev_cell, "TEV: every decoding arm on one (model, workload), checked against AR")
     target_args(sp, "directory written by tev-train")
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", type=output_file, required=True)
     sp.add_argument("--target", action="store_true",
                     help="the tau-target cell: AR, DDTree and ExitTrain + TEV at T = 0 on tev.target_prompts prompts")
     sp = add("tev-latency", cmd_tev_latency, "TEV: verifier-stage latency on the same realised trees (Table 3)")
     target_args(sp, "directory written by tev-train; its base/ drafter builds the trees")
-    sp.add_argument("--out", required=True, help="output JSONL: one row per (budget, verifier)")
+    sp.add_argument("--out", type=output_file, required=True, help="output JSONL: one row per (budget, verifier)")
     sp = add("tev-tables", cmd_tev_tables,
              "TEV: every table (tev_arms, tev_main, tev_objective, tev_crossed, tev_budget, tev_claims, "
              "tev_calibration, tev_latency, tev_training, tev_curve, tev_target, tev_drafters) as .md and .csv; a table whose "
@@ -254,5 +261,5 @@ def register(add) -> None:
     sp.add_argument("--target-cells", nargs="*", default=[],
                     help="rows of tev-cell --target, one file per workload of one run (the tau-target cell)")
     sp.add_argument("--out-dir", required=True, help="directory for the tables (created; existing tables replaced)")
-    sp.add_argument("--report-section", default=None,
+    sp.add_argument("--report-section", type=output_file, default=None,
                     help="also write the report's TEV section (Markdown) made from these tables to this file")

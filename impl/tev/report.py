@@ -255,10 +255,12 @@ def calibration_table(df: pd.DataFrame) -> pd.DataFrame:
     verifier): observed mean walk length (the rows' ``taus``, not cut at EOS / ``max_new_tokens``) vs mean
     1 + C_p over its rounds, with a paired t interval over prompts of (walk - (1 + C_p)) and its p-value.
 
-    ``calibrated_per_pair``: the pair's own 95% interval contains 0 or |diff| < ``CALIBRATION_TOL``.
-    ``calibrated`` (the self-check): the same with Holm's family-wise test over all of the model's
-    arm-temperature pairs (family-wise error 5%), since the check asks that *every* pair passes:
-    with 13 pairs, per-pair 95% tests fail one exact pair by chance about half the time.
+    ``testable``: the pair has at least 2 prompts (one prompt has no interval and no p-value).
+    ``calibrated_per_pair``: |diff| < ``CALIBRATION_TOL``, or the pair is testable and its own 95%
+    interval contains 0. ``calibrated`` (the self-check): the same with Holm's family-wise test over all
+    of the model's arm-temperature pairs (family-wise error 5%), since the check asks that *every* pair
+    passes: with 13 pairs, per-pair 95% tests fail one exact pair by chance about half the time. An
+    untestable pair beyond the tolerance is not calibrated (the report calls the line UNCHECKED, not FAIL).
     """
     out = []
     s = df[(df.temperature > 0) & df["expected_tau_sum"].notna()]
@@ -268,13 +270,14 @@ def calibration_table(df: pd.DataFrame) -> pd.DataFrame:
         r = paired_difference(exp, obs)
         out.append({"model": m, "temperature": T, "arm": arm, "n": r.n, "tau": obs.mean(), "expected_tau": exp.mean(),
                     "diff": r.mean, "ci_low": r.ci_low, "ci_high": r.ci_high, "p_value": r.p_value,
-                    "calibrated_per_pair": bool(not r.resolved or abs(r.mean) < CALIBRATION_TOL)})
+                    "testable": r.n >= 2,
+                    "calibrated_per_pair": bool((r.n >= 2 and not r.resolved) or abs(r.mean) < CALIBRATION_TOL)})
     cal = pd.DataFrame(out)
     if len(cal):
         reject = pd.Series(False, index=cal.index)
         for _, g in cal.groupby("model", sort=False):
             reject[g.index] = holm_reject(g["p_value"].tolist())
-        cal["calibrated"] = ~reject | (cal["diff"].abs() < CALIBRATION_TOL)
+        cal["calibrated"] = (cal["testable"] & ~reject) | (cal["diff"].abs() < CALIBRATION_TOL)
     return cal
 
 
@@ -628,14 +631,20 @@ def report_section(tables_dir, figures_dir, base) -> list[str]:
         ok = bool(g["ar_match_all"].astype(str).str.lower().eq("true").all()) and len(g) > 0
         lines.append(f"- every arm equals AR token for token at T = 0: **{'PASS' if ok else 'FAIL'}** ({len(g)} arm-cells)")
     if len(cal):
-        ok = bool(cal["calibrated"].all())
-        bad = cal.loc[~cal["calibrated"].astype(bool), "arm"].tolist()
+        passed = cal["calibrated"].astype(bool)
+        testable = (cal["testable"].astype(str).str.lower().eq("true") if "testable" in cal.columns
+                    else pd.Series(True, index=cal.index))  # tables of older runs: every pair was testable
+        name = lambda mask: [f"{a} at T = {float(t):g}" for a, t in zip(cal.loc[mask, "arm"],  # noqa: E731
+                                                                        cal.loc[mask, "temperature"])]
+        bad, untested = name(~passed & testable), name(~passed & ~testable)
+        verdict = "FAIL" if bad else "UNCHECKED" if untested else "PASS"
         per = cal["calibrated_per_pair" if "calibrated_per_pair" in cal.columns else "calibrated"].astype(bool)
-        outside = [f"{a} at T = {float(t):g}" for a, t in zip(cal.loc[~per, "arm"], cal.loc[~per, "temperature"])]
+        outside = name(~per & testable)
         lines.append(f"- exit-law calibration at T > 0 (observed tau vs 1 + C_p per prompt, paired t test per "
                      f"arm-temperature pair; Holm's correction over each model's pairs, family-wise error 5%; a pair "
-                     f"also passes when |difference| < {CALIBRATION_TOL} tokens): **{'PASS' if ok else 'FAIL'}** "
-                     f"({len(cal) - len(bad)}/{len(cal)} pairs pass{'; failing: ' + ', '.join(bad) if bad else ''}; "
+                     f"also passes when |difference| < {CALIBRATION_TOL} tokens): **{verdict}** "
+                     f"({int(passed.sum())}/{len(cal)} pairs pass{'; failing: ' + ', '.join(bad) if bad else ''}"
+                     f"{'; untestable (fewer than 2 prompts): ' + ', '.join(untested) if untested else ''}; "
                      f"uncorrected, {int(per.sum())}/{len(cal)} pass their own 95% interval"
                      f"{', outside it: ' + ', '.join(outside) if outside else ''})")
     if len(lat) and {"verifier", "budget", "median_us"} <= set(lat.columns):

@@ -159,6 +159,12 @@ def check(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"config: 'tev.depth' = {t['depth']} exceeds 'tev.drafter.block_size' = "
                           f"{t['drafter']['block_size']} (a tree is at most one drafted block deep)")
     check_prompt_mix(cfg, t["drafter"], "tev.drafter")
+    lat = t["latency"]
+    least = 2 * max(lat["budgets"]) + 1  # a tree of B + 1 nodes needs 2 (B + 1) - 1 columns (latency.restrict_vocab)
+    for i, v in enumerate(lat["vocab_sizes"]):
+        if v < least:
+            raise ConfigError(f"config: 'tev.latency.vocab_sizes[{i}]' = {v} is below 2 * max('tev.latency.budgets') "
+                              f"+ 1 = {least} (a restricted vocabulary must hold every tree's tokens)")
     for w in t["workloads"] if t.get("target_prompts") else ():
         have = cfg["workloads"][w]["n_prompts"]
         if t["target_prompts"] > have:

@@ -23,7 +23,7 @@ import logging
 import math
 from pathlib import Path
 
-from ..argtypes import fraction, nonneg_float, nonneg_int, positive_int
+from ..argtypes import fraction, nonneg_float, nonneg_int, output_file, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -278,8 +278,8 @@ def register(add) -> None:
     sp.add_argument("--wide", action="store_true", help="the wider randomly initialised model (timings only)")
     sp.add_argument("--flexidepth", help="FlexiDepth checkpoint directory (adds the flexidepth arms)")
     sp.add_argument("--label", help="label of the rows (default: model dir name, or 'wide')")
-    sp.add_argument("--out", required=True, help="JSONL rows to write")
-    sp.add_argument("--summary", required=True, help="summary JSON to write (targets as PASS/FAIL)")
+    sp.add_argument("--out", type=output_file, required=True, help="JSONL rows to write")
+    sp.add_argument("--summary", type=output_file, required=True, help="summary JSON to write (targets as PASS/FAIL)")
     sp.add_argument("--prefill-tokens", type=positive_int, nargs="+", help="prefill cells: packed prompt tokens")
     sp.add_argument("--prompt-len", type=positive_int, help="tokens per packed prompt")
     sp.add_argument("--decode-requests", type=positive_int, nargs="+", help="decode cells: concurrent requests")
@@ -313,7 +313,7 @@ def register(add) -> None:
     sp.add_argument("--r", type=fraction, nargs="+", default=[0.5], help="RandomSkip row fractions, one per arm")
     sp.add_argument("--d", type=fraction, nargs="+", default=[0.5], help="RandomSkip layer fractions, one per arm")
     sp.add_argument("--steps", type=positive_int, default=2, help="profiled steps per arm")
-    sp.add_argument("--out", required=True, help="JSON to write (rows + provenance)")
+    sp.add_argument("--out", type=output_file, required=True, help="JSON to write (rows + provenance)")
     sp = add("vskipper-bench-tables", cmd_vskipper_bench_tables, "tables of the vSkipper step benchmark", config=False)
     sp.add_argument("--summaries", nargs="+", required=True, help="vskipper-bench summary JSON files")
     sp.add_argument("--out-dir", required=True, help="tables directory")
@@ -355,8 +355,8 @@ def register(add) -> None:
     sp.add_argument("--max-gen-toks", type=positive_int, help="lm-eval budget per document (default: "
                                                      "vskipper.quality.max_gen_toks.gsm8k, else 32)")
     sp.add_argument("--label", help="model column and served model name (default: the directory's name)")
-    sp.add_argument("--out", required=True, help="CSV rows to write")
-    sp.add_argument("--summary", help="summary JSON to write")
+    sp.add_argument("--out", type=output_file, required=True, help="CSV rows to write")
+    sp.add_argument("--summary", type=output_file, help="summary JSON to write")
     sp.add_argument("--strict", action="store_true", help="exit 1 when any row FAILs (outputs are written first)")
 
 

@@ -57,7 +57,7 @@ import logging
 import math
 from pathlib import Path
 
-from ..argtypes import positive_int
+from ..argtypes import output_file, positive_int
 from ..schema import core_config
 from .schema import Engine, Quality, vskipper_section
 
@@ -931,7 +931,7 @@ def register(add) -> None:
              "train a FlexiDepth-style skipper (stage 1: routers + adapters, frozen model) on ShareGPT tokens")
     sp.add_argument("--model-dir", required=True, help="the base model (vskipper.model)")
     sp.add_argument("--out", required=True, help="checkpoint directory to write (e.g. models/tiny-std-flexidepth)")
-    sp.add_argument("--summary", required=True, help="training summary JSON to write")
+    sp.add_argument("--summary", type=output_file, required=True, help="training summary JSON to write")
 
     sp = add("profile-mode", cmd_profile_mode,
              "a policy's Project-Only share, the routed-cost profile and the rule-derived mode-switch thresholds")
@@ -941,13 +941,13 @@ def register(add) -> None:
     sp.add_argument("--policy", choices=["flexidepth", "random"], default="flexidepth",
                     help="flexidepth: measured share; random: the vskipper.randomskip grid (analytic shares)")
     sp.add_argument("--prompts", help="token-id prompts of the load workload (flexidepth: share measurement)")
-    sp.add_argument("--out", required=True, help="JSON to write")
+    sp.add_argument("--out", type=output_file, required=True, help="JSON to write")
 
     sp = add("knee", cmd_knee, "Q* sweep on the upstream arm under natural generation (vSkipper Sec. 4.1, App. M)")
     sp.add_argument("--model-dir", required=True)
     sp.add_argument("--prompts", required=True)
     sp.add_argument("--workload", required=True)
-    sp.add_argument("--out", required=True, help="JSON to write (rows, status, Q*, load points)")
+    sp.add_argument("--out", type=output_file, required=True, help="JSON to write (rows, status, Q*, load points)")
 
     sp = add("serve-cell", cmd_serve_cell,
              "paired serving cell at one load point: upstream vs the served hybrid (and ablations), matched / natural")
@@ -964,7 +964,7 @@ def register(add) -> None:
     sp.add_argument("--lanes", nargs="+", choices=["matched", "natural"], help="override vskipper.lanes")
     sp.add_argument("--experiment", default="main", help="label stored in the rows (main, ablation)")
     sp.add_argument("--drop-ids", action="store_true", help="do not keep output token ids in request rows")
-    sp.add_argument("--out", required=True, help="JSONL to write")
+    sp.add_argument("--out", type=output_file, required=True, help="JSONL to write")
 
     sp = add("randomskip-map", cmd_randomskip_map,
              "Fig. 3: RandomSkip r x d grid under always-route, shared and per-policy thresholds vs upstream")
@@ -974,7 +974,7 @@ def register(add) -> None:
     sp.add_argument("--random-thresholds", required=True, help="profile-mode --policy random JSON (per policy)")
     sp.add_argument("--prompts", required=True)
     sp.add_argument("--workload", required=True)
-    sp.add_argument("--out", required=True, help="JSONL to write")
+    sp.add_argument("--out", type=output_file, required=True, help="JSONL to write")
 
     sp = add("quality-tasks", cmd_quality_tasks,
              "write the quality protocol's lm-eval task YAMLs (GSM8K, BBH, CoQA over the local data) for lm_eval")
@@ -989,8 +989,8 @@ def register(add) -> None:
     sp.add_argument("--suite", required=True, choices=list(QUALITY_TASKS), help="a suite of vskipper.quality.tasks")
     sp.add_argument("--work-dir", required=True,
                     help="run directory (replaced): generated task YAMLs, lm-eval aggregates per arm")
-    sp.add_argument("--out", required=True, help="JSONL rows to write (doc / summary / first_token)")
-    sp.add_argument("--summary", required=True, help="summary JSON to write")
+    sp.add_argument("--out", type=output_file, required=True, help="JSONL rows to write (doc / summary / first_token)")
+    sp.add_argument("--summary", type=output_file, required=True, help="summary JSON to write")
     sp.add_argument("--requests", default=None,
                     help="JSONL to write: each document's request (prompt ids, stop strings, budget), "
                          "for quality-served")
@@ -1007,8 +1007,8 @@ def register(add) -> None:
     sp.add_argument("--prompts", default=None, help="token-id prompts of the knee workload (stream padding)")
     sp.add_argument("--suite", required=True, choices=list(QUALITY_TASKS))
     sp.add_argument("--work-dir", required=True, help="run directory (replaced): task YAMLs, lm-eval aggregates")
-    sp.add_argument("--out", required=True, help="JSONL rows to write (served_doc / _request / _arm / _summary)")
-    sp.add_argument("--summary", required=True, help="summary JSON to write")
+    sp.add_argument("--out", type=output_file, required=True, help="JSONL rows to write (served_doc / _request / _arm / _summary)")
+    sp.add_argument("--summary", type=output_file, required=True, help="summary JSON to write")
 
     sp = add("vskipper-tables", cmd_vskipper_tables,
              "vSkipper tables from the raw rows (Tables 2-4, ablation, Fig. 3 data)", config=False)

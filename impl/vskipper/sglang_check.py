@@ -341,7 +341,7 @@ def cmd_sglang_check(args) -> None:
 
 def register(add) -> None:
     """Add ``sglang-check`` to the ``python -m impl`` parser (``add(name, fn, help)``)."""
-    from impl.argtypes import positive_int
+    from impl.argtypes import output_file, positive_int
 
     sp = add("sglang-check", cmd_sglang_check,
              "upstream SGLang vs transformers on one model: greedy ids alone and batched (SGLang's own venv)")
@@ -362,5 +362,5 @@ def register(add) -> None:
     sp.add_argument("--routed-layers", type=int, nargs="+", default=None,
                     help="with --routed: the routed layers (default: the second half)")
     sp.add_argument("--server-log-dir", default=None, help="with --routed: a folder for the two servers' logs")
-    sp.add_argument("--out", required=True, help="JSONL rows to write")
-    sp.add_argument("--summary", required=True, help="summary JSON to write")
+    sp.add_argument("--out", type=output_file, required=True, help="JSONL rows to write")
+    sp.add_argument("--summary", type=output_file, required=True, help="summary JSON to write")

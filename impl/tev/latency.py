@@ -51,6 +51,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from transformers import DynamicCache
 
+from .schema import min_restricted_vocab
+
 from impl.spec.ar import check_prompt_ids
 
 from .builder import best_first_tree
@@ -300,7 +302,7 @@ def _check_latency_args(target, drafter, prompts, arms, baseline, isolated, budg
         raise ValueError("need n_trees >= 1, repeats >= 1, warmup >= 0 and rounds_per_prompt >= 1")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    least = 2 * max(budgets) + 1  # a tree of N = B + 1 nodes needs 2 N - 1 columns (restrict_vocab)
+    least = min_restricted_vocab(budgets)
     if any(isinstance(v, bool) or not isinstance(v, int) or v < least for v in vocab_sizes):
         raise ValueError(f"vocab_sizes must be ints >= 2 * max(budgets) + 1 = {least}, got {list(vocab_sizes)}")
     ctx_len = getattr(target.config, "max_position_embeddings", None)

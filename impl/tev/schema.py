@@ -140,6 +140,12 @@ def check_prompt_mix(cfg: dict[str, Any], drafter: dict[str, Any], where: str) -
                               f"'workloads' has no '{s}' (its n_prompts is the sample left out)")
 
 
+def min_restricted_vocab(budgets) -> int:
+    """The narrowest vocabulary V' the latency benchmark can restrict a tree of every budget to: a tree of
+    N = B + 1 nodes needs 2 N - 1 = 2 B + 1 columns (:func:`impl.tev.latency.restrict_vocab`)."""
+    return 2 * max(budgets) + 1
+
+
 def check(cfg: dict[str, Any]) -> None:
     """Cross-checks of the ``tev`` section (model and workload names, depth vs block size).
 
@@ -160,7 +166,7 @@ def check(cfg: dict[str, Any]) -> None:
                           f"{t['drafter']['block_size']} (a tree is at most one drafted block deep)")
     check_prompt_mix(cfg, t["drafter"], "tev.drafter")
     lat = t["latency"]
-    least = 2 * max(lat["budgets"]) + 1  # a tree of B + 1 nodes needs 2 (B + 1) - 1 columns (latency.restrict_vocab)
+    least = min_restricted_vocab(lat["budgets"])
     for i, v in enumerate(lat["vocab_sizes"]):
         if v < least:
             raise ConfigError(f"config: 'tev.latency.vocab_sizes[{i}]' = {v} is below 2 * max('tev.latency.budgets') "
